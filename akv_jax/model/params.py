@@ -1,0 +1,179 @@
+"""The params pytree, declared once: every array's shape, dtype and logical axes.
+
+Layers are stacked on a leading ``layer`` axis so the forward pass is a ``lax.scan``
+(one compiled layer body, fast compiles on the CPU). Logical axes map to mesh axes through
+:data:`SHARDING_RULES`; tensor parallelism splits attention heads and the FFN width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from akv_jax.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """Declaration of one parameter array (a leaf of the abstract params tree)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    init: str = "normal"  # "normal" (std 0.02) or "ones"
+
+
+def _is_info(x: Any) -> bool:
+    return isinstance(x, ArrayInfo)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    """Decoder layer weights, each with a leading ``layer`` axis."""
+
+    attn_norm: Any  # [L, D]
+    wq: Any  # [L, D, Hq, Dh]
+    wk: Any  # [L, D, Hkv, Dh]
+    wv: Any  # [L, D, Hkv, Dh]
+    wo: Any  # [L, Hq, Dh, D]
+    q_norm: Any  # [L, Dh] (Qwen3) or None
+    k_norm: Any  # [L, Dh] (Qwen3) or None
+    mlp_norm: Any  # [L, D]
+    w_gate: Any  # [L, D, F]
+    w_up: Any  # [L, D, F]
+    w_down: Any  # [L, F, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Params:
+    embed: Any  # [V, D]
+    layers: LayerParams
+    final_norm: Any  # [D]
+    lm_head: Any  # [D, V], or None when the embeddings are tied
+
+    @staticmethod
+    def abstract(cfg: ModelConfig) -> Params:
+        """The params tree with :class:`ArrayInfo` leaves."""
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        Hq, Hkv, Dh, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+        qk_norm = ArrayInfo((L, Dh), ("layer", "head_dim"), "ones") if cfg.qk_norm else None
+        layers = LayerParams(
+            attn_norm=ArrayInfo((L, D), ("layer", "embed"), "ones"),
+            wq=ArrayInfo((L, D, Hq, Dh), ("layer", "embed", "q_heads", "head_dim")),
+            wk=ArrayInfo((L, D, Hkv, Dh), ("layer", "embed", "kv_heads", "head_dim")),
+            wv=ArrayInfo((L, D, Hkv, Dh), ("layer", "embed", "kv_heads", "head_dim")),
+            wo=ArrayInfo((L, Hq, Dh, D), ("layer", "q_heads", "head_dim", "embed")),
+            q_norm=qk_norm,
+            k_norm=qk_norm,
+            mlp_norm=ArrayInfo((L, D), ("layer", "embed"), "ones"),
+            w_gate=ArrayInfo((L, D, F), ("layer", "embed", "ffw")),
+            w_up=ArrayInfo((L, D, F), ("layer", "embed", "ffw")),
+            w_down=ArrayInfo((L, F, D), ("layer", "ffw", "embed")),
+        )
+        return Params(
+            embed=ArrayInfo((V, D), ("vocab", "embed")),
+            layers=layers,
+            final_norm=ArrayInfo((D,), ("embed",), "ones"),
+            lm_head=None if cfg.tie_word_embeddings else ArrayInfo((D, V), ("embed", "vocab")),
+        )
+
+
+# Logical axis -> mesh axis. Heads and FFN width split over "tensor"; everything else is
+# replicated. A dimension that the mesh axis does not divide stays replicated (see
+# :func:`logical_to_spec`), so any model runs on any mesh, just with less parallelism.
+SHARDING_RULES: dict[str, str | None] = {
+    "layer": None,
+    "embed": None,
+    "vocab": None,
+    "head_dim": None,
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "ffw": "tensor",
+}
+
+
+def logical_to_spec(
+    axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh | None, rules=SHARDING_RULES
+) -> PartitionSpec:
+    out = []
+    for name, dim in zip(axes, shape, strict=True):
+        mesh_axis = rules.get(name)
+        if mesh is None or mesh_axis is None or mesh_axis not in mesh.shape:
+            out.append(None)
+        elif dim % mesh.shape[mesh_axis] == 0:
+            out.append(mesh_axis)
+        else:
+            out.append(None)
+    return PartitionSpec(*out)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
+    """NamedShardings for every parameter under ``mesh``."""
+
+    def one(info: ArrayInfo):
+        return NamedSharding(mesh, logical_to_spec(info.axes, info.shape, mesh))
+
+    return jax.tree.map(one, Params.abstract(cfg), is_leaf=_is_info)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
+    """Random params (the tiny test model): normal(0.02) weights, unit norms."""
+    abstract = Params.abstract(cfg)
+    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_info)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for info, k in zip(leaves, keys, strict=True):
+        if info.init == "ones":
+            # Norm weights near one but not exactly, so a missed norm shows in tests.
+            arr = 1.0 + 0.1 * jax.random.normal(k, info.shape, jnp.float32)
+        else:
+            arr = 0.02 * jax.random.normal(k, info.shape, jnp.float32)
+        out.append(arr.astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def params_from_arrays(cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
+    """Assemble a Params tree from flat ``path -> array`` entries, checking every shape.
+
+    Paths are the dataclass field names joined with '.', e.g. ``layers.wq``.
+    """
+    abstract = Params.abstract(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_info)
+    out = []
+    for path, info in flat:
+        name = ".".join(p.name for p in path)
+        if name not in arrays:
+            raise ValueError(f"missing parameter {name}")
+        arr = np.asarray(arrays[name])
+        if tuple(arr.shape) != info.shape:
+            raise ValueError(f"shape mismatch for {name}: got {arr.shape}, expected {info.shape}")
+        out.append(jnp.asarray(arr, dtype=dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def params_to_arrays(params: Params) -> dict[str, np.ndarray]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    return {".".join(p.name for p in path): np.asarray(x) for path, x in flat}
+
+
+def cast_params(params: Params, dtype) -> Params:
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
+    return jax.device_put(params, param_shardings(cfg, mesh))
+
+
+def make_mesh(tp: int, devices=None) -> Mesh:
+    """A ("data", "tensor") mesh with ``tp`` devices on the tensor axis."""
+    devices = list(devices if devices is not None else jax.devices())
+    if tp < 1 or len(devices) % tp:
+        raise ValueError(f"--tp {tp} does not divide the {len(devices)} available devices")
+    arr = np.array(devices).reshape(len(devices) // tp, tp)
+    return Mesh(arr, ("data", "tensor"))
