@@ -138,7 +138,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
-def params_from_arrays(cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
+def params_from_arrays(
+    cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32
+) -> Params:
     """Assemble a Params tree from flat ``path -> array`` entries, checking every shape.
 
     Paths are the dataclass field names joined with '.', e.g. ``layers.wq``.

@@ -88,7 +88,9 @@ def build_segment_batch(
         if seg.q_len <= 0:
             raise ValueError(f"segment {s} has no query tokens")
         for off in range(0, seg.q_len, block_q):
-            blocks.append((s, seg.q_start + off, min(block_q, seg.q_len - off), seg.causal_pos + off))
+            blocks.append(
+                (s, seg.q_start + off, min(block_q, seg.q_len - off), seg.causal_pos + off)
+            )
     need_pages = max((len(seg.pages) for seg in segments), default=1)
     nb = num_blocks if num_blocks is not None else bucket(len(blocks), 1)
     ns = num_segments if num_segments is not None else bucket(len(segments), 1)
@@ -123,5 +125,3 @@ def build_segment_batch(
         kv_visible=jnp.asarray(kv_visible),
         page_visible=jnp.asarray(page_visible),
     )
-
-

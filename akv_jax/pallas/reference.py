@@ -107,7 +107,7 @@ def repos_reference(
     valid = pages < P
     safe = jnp.where(valid, pages, 0)
     k = k_pages[safe]  # [N, ps, Hkv, Dh]
-    rot = rerotate(
-        k.reshape(-1, Hkv, Dh), old_pos.reshape(-1), new_pos.reshape(-1), table
-    ).reshape(k.shape)
+    rot = rerotate(k.reshape(-1, Hkv, Dh), old_pos.reshape(-1), new_pos.reshape(-1), table).reshape(
+        k.shape
+    )
     return k_pages.at[jnp.where(valid, pages, P)].set(rot, mode="drop")

@@ -1,0 +1,138 @@
+"""A deliberately naive dense reference of the op semantics (tests only).
+
+numpy, float64, no pages, no batching, no shared code with the JAX path beyond the params:
+every cached token keeps its raw (unrotated) key, its value, its current position and an
+active flag; attention builds explicit per-query masks and rotates keys from scratch. It is
+slow and obviously right, which is its job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from akv_jax.cache.ops import OpHistory
+from akv_jax.model.config import ModelConfig
+from akv_jax.model.params import Params, params_to_arrays
+from akv_jax.model.rope import hf_inv_freq
+
+
+@dataclasses.dataclass
+class DenseState:
+    k_raw: list[np.ndarray]  # per layer [N, Hkv, Dh] keys before rotation
+    v: list[np.ndarray]  # per layer [N, Hkv, Dh]
+    pos: np.ndarray  # [N] current positions
+    active: np.ndarray  # [N]
+    segment: np.ndarray  # [N]
+    next_pos: int = 0
+    num_segments: int = 0
+
+    def rotated_keys(self, inv_freq: np.ndarray) -> list[np.ndarray]:
+        return [_rope(k, self.pos, inv_freq) for k in self.k_raw]
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    # Same angle definition as transformers: float32(inv_freq_f32 * position).
+    angle = (pos.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float32)
+    angle = angle.astype(np.float64)[:, None, :]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = np.cos(angle), np.sin(angle)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+class DenseModel:
+    def __init__(self, params: Params, cfg: ModelConfig):
+        self.cfg = cfg
+        self.w = {k: np.asarray(v, np.float64) for k, v in params_to_arrays(params).items()}
+        self.inv_freq = hf_inv_freq(cfg.rope, cfg.head_dim)
+
+    def empty(self) -> DenseState:
+        L, H, D = self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
+        z = np.zeros((0, H, D))
+        return DenseState([z] * L, [z] * L, np.zeros(0, int), np.zeros(0, bool), np.zeros(0, int))
+
+    def append(self, st: DenseState, tokens: Sequence[int]) -> tuple[np.ndarray, DenseState]:
+        cfg, w = self.cfg, self.w
+        n = len(tokens)
+        pos_new = st.next_pos + np.arange(n)
+        n_old = len(st.pos)
+        pos_all = np.concatenate([st.pos, pos_new])
+        # mask[i, j]: query i (new token) may attend cached/new entry j
+        mask = np.zeros((n, n_old + n), bool)
+        mask[:, :n_old] = st.active[None, :]
+        mask[:, n_old:] = np.tril(np.ones((n, n), bool))
+        x = w["embed"][np.asarray(tokens)]
+        k_raw, vs = [], []
+        G = cfg.num_heads // cfg.num_kv_heads
+        for layer in range(cfg.num_layers):
+            lw = {k[len("layers.") :]: v[layer] for k, v in w.items() if k.startswith("layers.")}
+            h = _rms(x, lw["attn_norm"], cfg.rms_norm_eps)
+            q = np.einsum("td,dhk->thk", h, lw["wq"])
+            k = np.einsum("td,dhk->thk", h, lw["wk"])
+            v = np.einsum("td,dhk->thk", h, lw["wv"])
+            if cfg.qk_norm:
+                q = _rms(q, lw["q_norm"], cfg.rms_norm_eps)
+                k = _rms(k, lw["k_norm"], cfg.rms_norm_eps)
+            keys_raw = np.concatenate([st.k_raw[layer], k])
+            vals = np.concatenate([st.v[layer], v])
+            k_raw.append(keys_raw)
+            vs.append(vals)
+            qr = _rope(q, pos_new, self.inv_freq)
+            kr = _rope(keys_raw, pos_all, self.inv_freq)
+            out = np.zeros_like(q)
+            for hq in range(cfg.num_heads):
+                hk = hq // G
+                s = qr[:, hq] @ kr[:, hk].T / np.sqrt(cfg.head_dim)
+                s = np.where(mask, s, -np.inf)
+                p = np.exp(s - s.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                out[:, hq] = p @ vals[:, hk]
+            x = x + np.einsum("thk,hkd->td", out, lw["wo"])
+            h = _rms(x, lw["mlp_norm"], cfg.rms_norm_eps)
+            g = h @ lw["w_gate"]
+            x = x + ((g / (1 + np.exp(-g))) * (h @ lw["w_up"])) @ lw["w_down"]
+        x = _rms(x, w["final_norm"], cfg.rms_norm_eps)
+        head = w["embed"].T if "lm_head" not in w else w["lm_head"]
+        logits = x @ head
+        new = DenseState(
+            k_raw=k_raw,
+            v=vs,
+            pos=pos_all,
+            active=np.concatenate([st.active, np.ones(n, bool)]),
+            segment=np.concatenate([st.segment, np.full(n, st.num_segments)]),
+            next_pos=st.next_pos + n,
+            num_segments=st.num_segments + 1,
+        )
+        return logits, new
+
+    @staticmethod
+    def drop(st: DenseState, segments: Sequence[int]) -> DenseState:
+        active = st.active & ~np.isin(st.segment, list(segments))
+        return dataclasses.replace(st, active=active)
+
+    @staticmethod
+    def repos(st: DenseState) -> DenseState:
+        pos = st.pos.copy()
+        r = int(st.active.sum())
+        pos[st.active] = np.arange(r)
+        return dataclasses.replace(st, pos=pos, next_pos=r)
+
+    def run(self, segments: Sequence[Sequence[int]], history: OpHistory):
+        """(logits of every token [T, V], final state) of a whole history."""
+        st = self.empty()
+        logits = []
+        for s, seg in enumerate(segments):
+            lg, st = self.append(st, seg)
+            logits.append(lg)
+            if history.drops_at(s):
+                st = self.drop(st, history.drops_at(s))
+            if history.repos_at(s):
+                st = self.repos(st)
+        return np.concatenate(logits), st

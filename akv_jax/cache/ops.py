@@ -1,0 +1,207 @@
+"""Op histories: the API grammar, its validation, and the int32 array encoding.
+
+API grammar (operate-after): ``{"drop": {"5": [1, 3]}, "reposition": [5, 9]}`` means
+"after appending segment 5, drop segments 1 and 3; after segments 5 and 9, reposition".
+
+Array encoding (one row per op, in execution order, int32 ``[n_ops, 3]``):
+
+=========  ==========  ===============================  =============================
+opcode     name        boundary                         argument
+=========  ==========  ===============================  =============================
+1          APPEND      segment index s                  number of tokens appended
+2          DROP        boundary s (after segment s)     dropped segment index i (i <= s)
+3          REPOS       boundary s                       0
+=========  ==========  ===============================  =============================
+
+Order at each boundary s: APPEND s, then its DROPs (ascending), then REPOS. Rows past the
+history's length are padding (opcode 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+OP_PAD, OP_APPEND, OP_DROP, OP_REPOS = 0, 1, 2, 3
+
+
+class CacheOpError(ValueError):
+    """An invalid request; ``field`` names where (e.g. ``cache.drop["5"][1]``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class OpHistory:
+    """A validated op history over ``num_segments`` segments."""
+
+    num_segments: int
+    drops: Mapping[int, tuple[int, ...]]  # boundary -> segments dropped there (ascending)
+    repos: tuple[int, ...]  # boundaries with a reposition (ascending)
+
+    def drops_at(self, boundary: int) -> tuple[int, ...]:
+        return self.drops.get(boundary, ())
+
+    def repos_at(self, boundary: int) -> bool:
+        return boundary in self.repos
+
+    def drop_boundary(self) -> np.ndarray:
+        """[num_segments] boundary at which each segment is dropped (num_segments if never)."""
+        out = np.full(self.num_segments, self.num_segments, np.int64)
+        for b, segs in self.drops.items():
+            out[list(segs)] = b
+        return out
+
+    def truncate(self, num_segments: int) -> OpHistory:
+        """The history of the first ``num_segments`` segments (a prefix request)."""
+        drops = {b: s for b, s in self.drops.items() if b < num_segments}
+        return OpHistory(num_segments, drops, tuple(b for b in self.repos if b < num_segments))
+
+    def to_api(self) -> dict[str, Any]:
+        return {
+            "drop": {str(b): list(s) for b, s in sorted(self.drops.items())},
+            "reposition": list(self.repos),
+        }
+
+    @staticmethod
+    def empty(num_segments: int) -> OpHistory:
+        return OpHistory(num_segments, {}, ())
+
+
+def _as_int(value: Any, field: str, allow_str: bool = False) -> int:
+    """An int, or (for JSON object keys) a decimal string; bool is never an index."""
+    if allow_str and isinstance(value, str):
+        try:
+            return int(value, 10)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CacheOpError(field, f"expected an integer, got {value!r}")
+    return value
+
+
+def parse_history(cache: Any, num_segments: int, field: str = "cache") -> OpHistory:
+    """Validate the API ``cache`` object against a request of ``num_segments`` segments.
+
+    Raises :class:`CacheOpError` naming the field and index of the first problem.
+    """
+    if cache is None:
+        return OpHistory.empty(num_segments)
+    if not isinstance(cache, Mapping):
+        raise CacheOpError(field, "expected an object with 'drop' and/or 'reposition'")
+    unknown = set(cache) - {"drop", "reposition"}
+    if unknown:
+        raise CacheOpError(f"{field}.{sorted(unknown)[0]}", "unknown cache operation")
+    drops: dict[int, tuple[int, ...]] = {}
+    dropped_at: dict[int, int] = {}
+    raw_drops = cache.get("drop") or {}
+    if not isinstance(raw_drops, Mapping):
+        raise CacheOpError(f"{field}.drop", "expected an object mapping boundary -> segments")
+    for key, segs in raw_drops.items():
+        kfield = f'{field}.drop["{key}"]'
+        b = _as_int(key, kfield, allow_str=True)
+        if not 0 <= b < num_segments:
+            raise CacheOpError(kfield, f"boundary {b} out of range [0, {num_segments})")
+        if b in drops:
+            raise CacheOpError(kfield, f"boundary {b} given twice")
+        if not isinstance(segs, Sequence) or isinstance(segs, (str, bytes)):
+            raise CacheOpError(kfield, "expected a list of segment indices")
+        out = []
+        for j, seg in enumerate(segs):
+            sfield = f"{kfield}[{j}]"
+            i = _as_int(seg, sfield)
+            if not 0 <= i < num_segments:
+                raise CacheOpError(sfield, f"segment {i} out of range [0, {num_segments})")
+            if i > b:
+                raise CacheOpError(
+                    sfield, f"segment {i} is dropped at boundary {b} before it exists"
+                )
+            if i in dropped_at:
+                raise CacheOpError(
+                    sfield, f"segment {i} is dropped twice (already at boundary {dropped_at[i]})"
+                )
+            dropped_at[i] = b
+            out.append(i)
+        if out:
+            drops[b] = tuple(sorted(out))
+    raw_repos = cache.get("reposition") or []
+    if not isinstance(raw_repos, Sequence) or isinstance(raw_repos, (str, bytes)):
+        raise CacheOpError(f"{field}.reposition", "expected a list of boundaries")
+    repos: list[int] = []
+    for j, v in enumerate(raw_repos):
+        rfield = f"{field}.reposition[{j}]"
+        b = _as_int(v, rfield)
+        if not 0 <= b < num_segments:
+            raise CacheOpError(rfield, f"boundary {b} out of range [0, {num_segments})")
+        if b in repos:
+            raise CacheOpError(rfield, f"duplicate reposition boundary {b}")
+        repos.append(b)
+    return OpHistory(num_segments, drops, tuple(sorted(repos)))
+
+
+def encode_history(history: OpHistory, seg_lens: Sequence[int], max_ops: int | None = None):
+    """The int32 [n_ops, 3] array encoding (padded with OP_PAD rows to ``max_ops``)."""
+    rows: list[tuple[int, int, int]] = []
+    for s in range(history.num_segments):
+        rows.append((OP_APPEND, s, int(seg_lens[s])))
+        rows.extend((OP_DROP, s, i) for i in history.drops_at(s))
+        if history.repos_at(s):
+            rows.append((OP_REPOS, s, 0))
+    n = max_ops if max_ops is not None else len(rows)
+    if len(rows) > n:
+        raise ValueError(f"history has {len(rows)} ops, more than max_ops={n}")
+    out = np.zeros((n, 3), np.int32)
+    if rows:
+        out[: len(rows)] = rows
+    return out
+
+
+def decode_history(ops: np.ndarray) -> tuple[OpHistory, list[int]]:
+    """Inverse of :func:`encode_history`: (history, segment lengths)."""
+    seg_lens: list[int] = []
+    drops: dict[int, list[int]] = {}
+    repos: list[int] = []
+    for code, b, arg in np.asarray(ops).tolist():
+        if code == OP_APPEND:
+            seg_lens.append(arg)
+        elif code == OP_DROP:
+            drops.setdefault(b, []).append(arg)
+        elif code == OP_REPOS:
+            repos.append(b)
+    return (
+        OpHistory(len(seg_lens), {b: tuple(v) for b, v in drops.items()}, tuple(repos)),
+        seg_lens,
+    )
+
+
+def validate_segments(segments: Any, field: str = "input_ids", vocab_size: int | None = None):
+    """Segments as a list of non-empty lists of in-vocabulary token ids.
+
+    A flat list of ints is one segment. Raises :class:`CacheOpError` naming the index.
+    """
+    if not isinstance(segments, Sequence) or isinstance(segments, (str, bytes)) or not segments:
+        raise CacheOpError(field, "expected a non-empty list of token-id lists")
+    if all(not isinstance(x, Sequence) for x in segments):
+        segments = [segments]
+    out: list[list[int]] = []
+    for i, seg in enumerate(segments):
+        f = f"{field}[{i}]"
+        if not isinstance(seg, Sequence) or isinstance(seg, (str, bytes)):
+            raise CacheOpError(f, "expected a list of token ids")
+        if len(seg) == 0:
+            raise CacheOpError(f, "empty segment")
+        ids = []
+        for j, t in enumerate(seg):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise CacheOpError(f"{f}[{j}]", f"expected an integer token id, got {t!r}")
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise CacheOpError(f"{f}[{j}]", f"token id {t} outside the vocabulary")
+            ids.append(t)
+        out.append(ids)
+    return out

@@ -1,0 +1,108 @@
+"""The semantics of an op history over concrete segments, computed once on the host.
+
+:func:`timeline` walks DESIGN.md §2 (append, then drops, then repos, at each boundary) and
+records, for every token, everything any execution path needs: the position it was appended
+at, the segment it belongs to, when its segment is dropped, and its position in every
+*position version* (one version per epoch between repositions). Incremental execution,
+one-pass restore, the serving planner and the tests all derive from this one walk, so the
+semantics live in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from akv_jax.cache.ops import OpHistory
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    seg_lens: np.ndarray  # [n]
+    seg_start: np.ndarray  # [n + 1] token offsets of the segments
+    token_seg: np.ndarray  # [T] segment of each token
+    append_pos: np.ndarray  # [T] RoPE position each token was computed at
+    seg_epoch: np.ndarray  # [n] number of repositions before segment s was appended
+    drop_boundary: np.ndarray  # [n] boundary at which segment s is dropped (n if never)
+    version_pos: np.ndarray  # [E + 1, T] position of each token during epoch e
+    version_has: np.ndarray  # [E + 1, T] token exists (was appended) by the end of epoch e
+    final_pos: np.ndarray  # [T] positions after the last boundary
+    final_active: np.ndarray  # [T] still attended after the last boundary
+    next_pos: int  # position of the next appended token
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seg_start[-1])
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seg_lens)
+
+    @property
+    def num_versions(self) -> int:
+        return self.version_pos.shape[0]
+
+    @property
+    def max_position(self) -> int:
+        """Largest position any token is encoded at (repos only ever lowers positions)."""
+        return int(self.append_pos.max(initial=-1))
+
+    def visible_to(self, s: int) -> np.ndarray:
+        """[seg_start[s+1]] which tokens a query of segment s may attend to (causal aside)."""
+        end = self.seg_start[s + 1]
+        segs = self.token_seg[:end]
+        return self.drop_boundary[segs] >= s
+
+    def segment_tokens(self, s: int) -> slice:
+        return slice(int(self.seg_start[s]), int(self.seg_start[s + 1]))
+
+
+def timeline(seg_lens: Sequence[int], history: OpHistory, start_pos: int = 0) -> Timeline:
+    n = len(seg_lens)
+    if history.num_segments != n:
+        raise ValueError(f"history is over {history.num_segments} segments, request has {n}")
+    lens = np.asarray(seg_lens, np.int64)
+    start = np.concatenate([[0], np.cumsum(lens)])
+    T = int(start[-1])
+    token_seg = np.repeat(np.arange(n), lens)
+    num_versions = len(history.repos) + 1
+    version_pos = np.zeros((num_versions, T), np.int64)
+    version_has = np.zeros((num_versions, T), bool)
+    pos = np.zeros(T, np.int64)
+    active = np.zeros(T, bool)
+    append_pos = np.zeros(T, np.int64)
+    seg_epoch = np.zeros(n, np.int64)
+    next_pos, epoch = start_pos, 0
+    for s in range(n):
+        a, b = start[s], start[s + 1]
+        seg_epoch[s] = epoch
+        pos[a:b] = next_pos + np.arange(b - a)
+        append_pos[a:b] = pos[a:b]
+        active[a:b] = True
+        next_pos += b - a
+        for i in history.drops_at(s):
+            active[start[i] : start[i + 1]] = False
+        if history.repos_at(s):
+            version_pos[epoch, :b] = pos[:b]
+            version_has[epoch, :b] = True
+            r = int(active[:b].sum())
+            pos[:b][active[:b]] = np.arange(r)
+            next_pos = r
+            epoch += 1
+    version_pos[epoch] = pos
+    version_has[epoch] = True
+    return Timeline(
+        seg_lens=lens,
+        seg_start=start,
+        token_seg=token_seg,
+        append_pos=append_pos,
+        seg_epoch=seg_epoch,
+        drop_boundary=history.drop_boundary(),
+        version_pos=version_pos,
+        version_has=version_has,
+        final_pos=pos.copy(),
+        final_active=active.copy(),
+        next_pos=int(next_pos),
+    )
