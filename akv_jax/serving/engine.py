@@ -1,0 +1,759 @@
+"""The serving engine: plans each request against the op-aware radix tree, runs one
+jit-compiled forward per scheduler step over every request's work, samples.
+
+Request life cycle:
+
+1. ``add_request`` validates and queues. The request's history is flattened into radix keys
+   (tokens and op items) and its :class:`Timeline` says, for every token, its positions in
+   every version and which segments see it.
+2. Prefill, in **one pass** per request: match the longest stored prefix; decide which nodes
+   must be computed (new nodes, the last token node for its logits, and any emptied node
+   whose KV is still visible to something computed: that is the one-pass restore); lay out
+   pages; keys that a repos re-encodes are written once per position version by the same
+   forward, or re-rotated from resident pages before it (pre-pass copies).
+3. Decode: one token per running request per step, its view the request's final version.
+4. Finish: generated tokens become a token node, the path is unlocked.
+
+Everything here is host-side bookkeeping; the device sees only :func:`forward` and
+:func:`_rerotate_copy` with padded, bucketed arrays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from akv_jax.cache.core import attention_fn
+from akv_jax.cache.ops import CacheOpError, OpHistory
+from akv_jax.cache.timeline import Timeline, timeline
+from akv_jax.model.forward import KVPool, KVWrites, forward
+from akv_jax.model.rope import rerotate, rope_table_for
+from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
+from akv_jax.serving.page_pool import PagePool
+from akv_jax.serving.radix import Node, RadixTree
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    rid: str
+    segments: list[list[int]]
+    history: OpHistory
+    sampling: SamplingParams = SamplingParams()
+    return_logprob: bool = False
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    rid: str
+    token_id: int
+    logprob: float | None
+    finished: bool
+    finish_reason: str | None
+    meta: dict
+
+
+def request_keys(segments: Sequence[Sequence[int]], history: OpHistory):
+    """Radix keys of a request, and the absolute token index of each key (-1 for ops)."""
+    keys: list = []
+    tok_index: list[int] = []
+    starts = np.concatenate([[0], np.cumsum([len(s) for s in segments])]).tolist()
+    for s, seg in enumerate(segments):
+        keys.extend(int(t) for t in seg)
+        tok_index.extend(range(starts[s], starts[s + 1]))
+        if history.drops_at(s):
+            ranges = tuple((starts[i], starts[i + 1]) for i in history.drops_at(s))
+            keys.append(("drop", ranges))
+            tok_index.append(-1)
+        if history.repos_at(s):
+            keys.append(("repos",))
+            tok_index.append(-1)
+    return keys, tok_index
+
+
+@dataclasses.dataclass
+class _Request:
+    req: GenerateRequest
+    tl: Timeline
+    keys: list
+    tok_index: list[int]
+    arrival: float
+    status: str = "waiting"  # waiting | decode | done
+    last_node: Node | None = None
+    prompt_last_node: Node | None = None
+    final_view: list[Node] = dataclasses.field(default_factory=list)
+    gen_pages: list[int] = dataclasses.field(default_factory=list)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
+    rng: np.random.Generator | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+
+@dataclasses.dataclass
+class _Pass:
+    """One request's share of a step: query segments, writes and pre-pass copies."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    q_pos: list[int] = dataclasses.field(default_factory=list)
+    writes: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
+    segments: list[SegmentSpec] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    logits_row: int = -1
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        *,
+        max_total_tokens: int = 16384,
+        page_size: int = 16,
+        attention_backend: str = "auto",
+        max_running: int = 16,
+        prefill_chunk: int = 4096,
+        kv_dtype=None,
+    ):
+        self.cfg = model.cfg
+        self.params = model.params
+        self.eos_ids = set(model.cfg.eos_token_ids)
+        tok = getattr(model, "tokenizer", None)
+        if tok is not None and getattr(tok, "eos_token_ids", None):
+            self.eos_ids |= set(tok.eos_token_ids)
+        self.page_size = page_size
+        self.num_pages = max(2, -(-max_total_tokens // page_size))
+        dtype = kv_dtype or self.params.embed.dtype
+        self.kv = KVPool.zeros(self.cfg, self.num_pages, page_size, dtype)
+        self.pool = PagePool(self.num_pages)
+        self.tree = RadixTree(self.pool, page_size)
+        self.rope = rope_table_for(self.cfg)
+        self.backend = attention_backend
+        self.max_running = max_running
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[_Request] = deque()
+        self.running: dict[str, _Request] = {}
+        self.counters = dict(
+            cache_queries=0,
+            cache_query_tokens=0,
+            cache_hit_tokens=0,
+            restores=0,
+            restored_tokens=0,
+            requests_finished=0,
+        )
+        self._attn = {bq: attention_fn(self.cfg, attention_backend, bq) for bq in (1, 16)}
+
+    # ------------------------------------------------------------------ admission
+    def check(self, req: GenerateRequest) -> Timeline:
+        """Validate what only the engine knows (vocabulary, position limit, pool size)."""
+        V = self.cfg.vocab_size
+        for i, seg in enumerate(req.segments):
+            if not seg:
+                raise CacheOpError(f"input_ids[{i}]", "empty segment")
+            for j, t in enumerate(seg):
+                if not 0 <= t < V:
+                    raise CacheOpError(f"input_ids[{i}][{j}]", f"token id {t} outside [0, {V})")
+        sp = req.sampling
+        if sp.max_new_tokens < 1:
+            raise CacheOpError("sampling_params.max_new_tokens", "must be at least 1")
+        tl = timeline([len(s) for s in req.segments], req.history)
+        limit = self.cfg.max_position_embeddings
+        peak = max(tl.max_position + 1, tl.next_pos + sp.max_new_tokens)
+        if peak > limit:
+            raise CacheOpError(
+                "cache.reposition",
+                f"context reaches position {peak}, past the model's limit of {limit}: "
+                "add a reposition (after dropping messages) to bring positions down",
+            )
+        need = self._pages_bound(tl, sp.max_new_tokens)
+        if need > self.num_pages:
+            raise CacheOpError(
+                "input_ids",
+                f"request needs up to {need} KV pages, the pool has {self.num_pages}: "
+                "raise --max-total-tokens",
+            )
+        return tl
+
+    def _pages_bound(self, tl: Timeline, max_new: int) -> int:
+        ps = self.page_size
+        pages = sum(-(-int(n) // ps) for n in tl.seg_lens) + -(-max_new // ps)
+        for e in range(1, tl.num_versions):
+            pages += -(-int(tl.version_has[e - 1].sum()) // ps)
+        return pages
+
+    def add_request(self, req: GenerateRequest) -> None:
+        tl = self.check(req)
+        keys, tok_index = request_keys(req.segments, req.history)
+        r = _Request(req, tl, keys, tok_index, time.monotonic())
+        if req.sampling.seed is not None:
+            r.rng = np.random.default_rng(req.sampling.seed)
+        else:
+            r.rng = np.random.default_rng()
+        self.waiting.append(r)
+
+    def abort(self, rid: str) -> None:
+        for r in list(self.waiting):
+            if r.rid == rid:
+                self.waiting.remove(r)
+        r = self.running.pop(rid, None)
+        if r is not None:
+            self._release(r, insert=False)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def flush_cache(self) -> bool:
+        if self.running:
+            return False
+        self.tree.flush()
+        return True
+
+    def stats(self) -> dict:
+        return dict(
+            self.counters,
+            evictions=self.tree.evictions,
+            pool_used_pages=self.pool.used_pages,
+            pool_total_pages=self.num_pages,
+            running=len(self.running),
+            waiting=len(self.waiting),
+        )
+
+    # ------------------------------------------------------------------ planning
+    def _visible(self, tl: Timeline, toks, seg: int) -> np.ndarray:
+        toks = np.asarray(toks, np.int64)
+        ok = toks >= 0
+        out = np.zeros(len(toks), bool)
+        out[ok] = tl.drop_boundary[tl.token_seg[toks[ok]]] >= seg
+        return out
+
+    def _slot_tokens(self, node: Node) -> list[int]:
+        """Absolute token index held in each slot of the node's pages (-1 for padding)."""
+        toks = list(node.token_ids())
+        n_pages = -(-len(toks) // self.page_size)
+        return toks + [-1] * (n_pages * self.page_size - len(toks))
+
+    def _view_pages(self, view: list[Node]) -> list[int]:
+        """Pages of a view; an emptied node nothing here can see stands in as page 0 with
+        every slot invisible (the planner guarantees nobody attends to it)."""
+        out: list[int] = []
+        for v in view:
+            out += v.pages if v.pages is not None else [0] * self._node_pages_needed(v)
+        return out
+
+    def _node_pages_needed(self, node: Node) -> int:
+        return -(-len(node.token_ids()) // self.page_size)
+
+    def _build_path(self, r: _Request) -> tuple[list[Node], set[int]]:
+        """Matched nodes plus fresh nodes for the rest of the keys; ids of fresh nodes."""
+        path = self.tree.match(r.keys)
+        i = sum(len(n.key) for n in path)
+        parent = path[-1] if path else self.tree.root
+        fresh: set[int] = set()
+        tl = r.tl
+        while i < len(r.keys):
+            k = r.keys[i]
+            if isinstance(k, int):
+                j = i
+                while j < len(r.keys) and isinstance(r.keys[j], int):
+                    j += 1
+                node = self.tree.add_child(parent, tuple(r.keys[i:j]), "tokens", r.tok_index[i])
+                i = j
+            else:
+                node = self.tree.add_child(parent, (k,), k[0])
+                if k[0] == "repos":
+                    b = int(tl.token_seg[r.tok_index[i - 1 - _ops_before(r.keys, i)]])
+                    end = int(tl.seg_start[b + 1])
+                    toks = np.arange(end)
+                    node.held_tokens = tuple(
+                        int(t) for t in toks[tl.drop_boundary[tl.token_seg[toks]] > b]
+                    )
+                i += 1
+            fresh.add(node.id)
+            path.append(node)
+            parent = node
+        return path, fresh
+
+    def _choose_compute(self, r: _Request, path: list[Node], fresh: set[int]) -> set[int]:
+        """Nodes to compute: fresh ones, the last token node, and (to a fixpoint) every
+        emptied node whose KV something computed, or the final view, still attends to."""
+        tl = r.tl
+        compute = {n.id for n in path if n.id in fresh and n.kind != "drop"}
+        last_tok = next(n for n in reversed(path) if n.kind == "tokens")
+        compute.add(last_tok.id)
+        while True:
+            needed: set[int] = set()
+            view: list[Node] = []
+            for node in path:
+                if node.kind == "tokens":
+                    if node.id in compute:
+                        s = int(tl.token_seg[node.tok_start])
+                        needed |= {v.id for v in view if self._visible(tl, v.token_ids(), s).any()}
+                    view.append(node)
+                elif node.kind == "repos":
+                    if node.id in compute:
+                        held = set(node.held_tokens)
+                        needed |= {v.id for v in view if held & set(v.token_ids())}
+                    view = [node]
+            needed |= {v.id for v in view if tl.final_active[list(v.token_ids())].any()}
+            extra = {n.id for n in path if n.id in needed and n.evicted} - compute
+            if not extra:
+                return compute
+            compute |= extra
+
+    def _plan(self, r: _Request, pending: set[int]) -> _Pass | None:
+        """Plan ``r``'s prefill pass, or None to retry next step (memory or dependencies)."""
+        path, fresh = self._build_path(r)
+
+        def give_up():
+            for node in reversed(path):
+                if node.id in fresh:
+                    self.tree.remove(node)
+            return None
+
+        if any(n.id in pending for n in path):
+            return give_up()  # another request computes part of this path in this step
+        compute = self._choose_compute(r, path, fresh)
+        self.tree.lock(path[-1])
+        allocated: list[tuple[Node, list[int]]] = []
+        for node in path:
+            if node.id in compute and node.pages is None:
+                pages = self.tree.alloc(self._node_pages_needed(node))
+                if pages is None:
+                    for n, p in allocated:
+                        self.pool.free(p)
+                        n.pages = None
+                    self.tree.unlock(path[-1])
+                    return give_up()
+                node.pages = pages
+                allocated.append((node, pages))
+        was_evicted = {n.id for n, _ in allocated if n.id not in fresh}
+        if was_evicted:
+            self.counters["restores"] += 1
+            self.counters["restored_tokens"] += sum(
+                len(n.token_ids()) for n in path if n.id in was_evicted
+            )
+        pending |= compute
+        return self._lay_out(r, path, compute)
+
+    def _lay_out(self, r: _Request, path: list[Node], compute: set[int]) -> _Pass:
+        tl, ps = r.tl, self.page_size
+        p = _Pass()
+        pass_row: dict[int, int] = {}  # abs token -> row in this pass
+        src: dict[int, tuple[int, int]] = {}  # abs token -> (slot, pos) of a resident copy
+        view: list[Node] = []
+        epoch = 0
+        cached = 0
+        for node in path:
+            if node.kind == "tokens":
+                slots = _slots(node.pages, len(node.key), ps)
+                toks = node.token_ids()
+                if node.id in compute:
+                    seg = int(tl.token_seg[node.tok_start])
+                    view_toks = [t for v in view for t in self._slot_tokens(v)]
+                    visible = np.concatenate(
+                        [self._visible(tl, view_toks, seg), np.ones(len(toks), bool)]
+                    )
+                    p.segments.append(
+                        SegmentSpec(
+                            q_start=len(p.tokens),
+                            q_len=len(toks),
+                            pages=self._view_pages(view) + list(node.pages),
+                            kv_visible=visible,
+                            causal_pos=len(view_toks),
+                        )
+                    )
+                    for t, tid, sl in zip(toks, node.key, slots, strict=True):
+                        pass_row[t] = len(p.tokens)
+                        p.tokens.append(tid)
+                        p.q_pos.append(int(tl.append_pos[t]))
+                        p.writes.append([(sl, int(tl.append_pos[t]))])
+                    src.update({t: None for t in toks})
+                else:
+                    cached += len(toks)
+                    src.update({t: (sl, int(tl.version_pos[epoch][t])) for t, sl in zip(toks, slots)})
+                view.append(node)
+            elif node.kind == "repos":
+                epoch += 1
+                held = node.held_tokens
+                slots = _slots(node.pages, len(held), ps)
+                if node.id in compute:
+                    for t, sl in zip(held, slots, strict=True):
+                        new_pos = int(tl.version_pos[epoch][t])
+                        if src.get(t) is None and t in pass_row:
+                            p.writes[pass_row[t]].append((sl, new_pos))
+                        else:
+                            old_slot, old_pos = src[t]
+                            p.copies.append((old_slot, sl, old_pos, new_pos))
+                # Later copies start from this version only when it is resident already;
+                # otherwise they keep using the older resident copy or the pass's write.
+                if node.id not in compute:
+                    src = {t: (sl, int(tl.version_pos[epoch][t])) for t, sl in zip(held, slots)}
+                else:
+                    src = {t: src.get(t) for t in held}
+                view = [node]
+        last_tok = next(n for n in reversed(path) if n.kind == "tokens")
+        p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
+        r.final_view = view
+        r.last_node = path[-1]
+        r.prompt_last_node = path[-1]
+        r.cached_tokens = cached
+        return p
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[TokenEvent]:
+        pending: set[int] = set()
+        passes: list[tuple[_Request, _Pass]] = []
+        budget = self.prefill_chunk
+        while self.waiting and len(self.running) + len(passes) < self.max_running:
+            r = self.waiting[0]
+            if passes and budget < r.tl.num_tokens:
+                break
+            p = self._plan(r, pending)
+            if p is None:
+                break
+            self.waiting.popleft()
+            passes.append((r, p))
+            budget -= len(p.tokens)
+            self.counters["cache_queries"] += 1
+            self.counters["cache_query_tokens"] += r.tl.num_tokens
+            self.counters["cache_hit_tokens"] += r.cached_tokens
+        decoders = [r for r in self.running.values() if r.status == "decode"]
+        events: list[TokenEvent] = []
+        decode_pass: list[tuple[_Request, _Pass]] = []
+        for r in decoders:
+            dp = self._decode_pass(r)
+            if dp is None:
+                events.append(self._finish(r, "abort"))
+                continue
+            decode_pass.append((r, dp))
+        work = passes + decode_pass
+        if not work:
+            return events
+        logits = self._run(work, block_q=16 if passes else 1)
+        for (r, _), row in zip(work, logits, strict=True):
+            if r.status == "waiting":
+                r.status = "decode"
+                self.running[r.rid] = r
+            events.extend(self._sample(r, row))
+        return events
+
+    def _decode_pass(self, r: _Request) -> _Pass | None:
+        ps = self.page_size
+        j = len(r.generated) - 1  # index of the token being fed
+        if j // ps >= len(r.gen_pages):
+            pages = self.tree.alloc(1)
+            if pages is None:
+                return None
+            r.gen_pages.extend(pages)
+        tl = r.tl
+        view_toks = [t for v in r.final_view for t in self._slot_tokens(v)]
+        vis = np.asarray(view_toks) >= 0
+        vis[vis] = tl.final_active[np.asarray(view_toks)[vis]]
+        gen_vis = np.arange(len(r.gen_pages) * ps) <= j
+        slot = r.gen_pages[j // ps] * ps + j % ps
+        pos = tl.next_pos + j
+        p = _Pass(
+            tokens=[r.generated[-1]],
+            q_pos=[pos],
+            writes=[[(slot, pos)]],
+            segments=[
+                SegmentSpec(
+                    q_start=0,
+                    q_len=1,
+                    pages=self._view_pages(r.final_view) + r.gen_pages,
+                    kv_visible=np.concatenate([vis, gen_vis]),
+                    causal_pos=len(view_toks) + j,
+                )
+            ],
+            logits_row=0,
+        )
+        return p
+
+    def _run(self, work: list[tuple[_Request, _Pass]], block_q: int) -> np.ndarray:
+        ps = self.page_size
+        tokens, q_pos, writes, segs, copies, rows = [], [], [], [], [], []
+        for _, p in work:
+            off = len(tokens)
+            tokens += p.tokens
+            q_pos += p.q_pos
+            writes += p.writes
+            segs += [dataclasses.replace(s, q_start=s.q_start + off) for s in p.segments]
+            copies += p.copies
+            rows.append(off + p.logits_row)
+        if copies:
+            self._copy(copies)
+        T = bucket(len(tokens), block_q)
+        W = bucket(max(len(w) for w in writes), 1)
+        sentinel = self.num_pages * ps
+        slot_arr = np.full((W, T), sentinel, np.int32)
+        pos_arr = np.zeros((W, T), np.int32)
+        for t, ws in enumerate(writes):
+            for w, (sl, pos) in enumerate(ws):
+                slot_arr[w, t], pos_arr[w, t] = sl, pos
+        tok_arr = np.zeros(T, np.int32)
+        tok_arr[: len(tokens)] = tokens
+        qp = np.zeros(T, np.int32)
+        qp[: len(q_pos)] = q_pos
+        n_blocks = sum(-(-s.q_len // block_q) for s in segs)
+        batch = build_segment_batch(
+            segs,
+            page_size=ps,
+            block_q=block_q,
+            num_blocks=bucket(n_blocks, 1),
+            num_segments=bucket(len(segs), 1),
+            max_pages=bucket(max(len(s.pages) for s in segs), 8),
+        )
+        row_arr = np.zeros(bucket(len(rows), 1), np.int32)
+        row_arr[: len(rows)] = rows
+        logits, self.kv = _forward_step(
+            self.params,
+            self.cfg,
+            jnp.asarray(tok_arr),
+            jnp.asarray(qp),
+            self.kv,
+            KVWrites(slots=jnp.asarray(slot_arr), positions=jnp.asarray(pos_arr)),
+            batch,
+            self.rope,
+            self._attn[block_q],
+            jnp.asarray(row_arr),
+        )
+        return np.asarray(logits)[: len(rows)]
+
+    def _copy(self, copies: list[tuple[int, int, int, int]]) -> None:
+        n = bucket(len(copies), 8)
+        arr = np.zeros((4, n), np.int32)
+        arr[1] = self.num_pages * self.page_size  # padding copies write out of range
+        arr[:, : len(copies)] = np.asarray(copies, np.int32).T
+        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), self.rope)
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, r: _Request, logits: np.ndarray) -> list[TokenEvent]:
+        sp = r.req.sampling
+        logits = logits.astype(np.float64)
+        logprobs = logits - _logsumexp(logits)
+        if sp.temperature <= 0:
+            tok = int(np.argmax(logits))
+        else:
+            z = logits / sp.temperature
+            if sp.top_k > 0:
+                kth = np.partition(z, -sp.top_k)[-sp.top_k]
+                z = np.where(z < kth, -np.inf, z)
+            probs = np.exp(z - _logsumexp(z))
+            if sp.top_p < 1.0:
+                order = np.argsort(-probs)
+                cum = np.cumsum(probs[order])
+                cut = order[cum - probs[order] >= sp.top_p]
+                probs[cut] = 0.0
+                probs /= probs.sum()
+            tok = int(r.rng.choice(len(probs), p=probs))
+        r.generated.append(tok)
+        lp = float(logprobs[tok]) if r.req.return_logprob else None
+        reason = None
+        if not sp.ignore_eos and tok in self.eos_ids:
+            reason = "stop"
+        elif tok in sp.stop_token_ids:
+            reason = "stop"
+        elif len(r.generated) >= sp.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            return [TokenEvent(r.rid, tok, lp, False, None, {})]
+        ev = self._finish(r, reason)
+        ev.token_id, ev.logprob = tok, lp
+        return [ev]
+
+    def _finish(self, r: _Request, reason: str) -> TokenEvent:
+        self.running.pop(r.rid, None)
+        active = int(r.tl.final_active.sum())
+        self._release(r, insert=True)
+        self.counters["requests_finished"] += 1
+        meta = dict(
+            prompt_tokens=r.tl.num_tokens,
+            cached_tokens=r.cached_tokens,
+            active_tokens=active + len(r.generated),
+            completion_tokens=len(r.generated),
+            finish_reason=reason,
+        )
+        tok = r.generated[-1] if r.generated else -1
+        return TokenEvent(r.rid, tok, None, True, reason, meta)
+
+    def _release(self, r: _Request, insert: bool) -> None:
+        """Hand generated KV to the tree (the next turn reuses it) and unlock the path."""
+        fed = r.generated[:-1]  # the last sampled token was never fed, so has no KV
+        pages = r.gen_pages
+        r.gen_pages = []
+        if insert and fed and r.prompt_last_node is not None:
+            keep = -(-len(fed) // self.page_size)
+            node = self.tree.add_child(
+                r.prompt_last_node, tuple(fed), "tokens", tok_start=r.tl.num_tokens
+            )
+            node.pages = pages[:keep]
+            pages = pages[keep:]
+        if pages:
+            self.pool.free(pages)
+        if r.last_node is not None:
+            self.tree.unlock(r.last_node)
+            r.last_node = None
+        r.status = "done"
+
+
+def _ops_before(keys: list, i: int) -> int:
+    """How many op items sit directly before index ``i`` (between it and the last token)."""
+    n = 0
+    while i - 1 - n >= 0 and not isinstance(keys[i - 1 - n], int):
+        n += 1
+    return n
+
+
+def _slots(pages: list[int], n: int, page_size: int) -> list[int]:
+    return [pages[i // page_size] * page_size + i % page_size for i in range(n)]
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    m = np.max(x)
+    return float(m + np.log(np.sum(np.exp(x - m))))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention"), donate_argnums=(4,))
+def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows):
+    return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope) -> KVPool:
+    """Copy keys (re-rotated old_pos -> new_pos) and values from slots ``src`` to ``dst``."""
+    L, P, ps, H, D = kv.k.shape
+    k = kv.k.reshape(L, P * ps, H, D)
+    v = kv.v.reshape(L, P * ps, H, D)
+    k_src = jax.vmap(lambda kl: rerotate(kl[src], old_pos, new_pos, rope))(k)
+    k = k.at[:, dst].set(k_src.astype(k.dtype), mode="drop")
+    v = v.at[:, dst].set(v[:, src], mode="drop")
+    return KVPool(k=k.reshape(kv.k.shape), v=v.reshape(kv.v.shape))
+
+
+class AsyncEngine:
+    """Runs :meth:`Engine.step` on one background thread; requests stream TokenEvents."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="akv-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def call(self, fn, *args):
+        """Run ``fn(engine, *args)`` on the engine thread and wait for its result."""
+        done = threading.Event()
+        box: dict = {}
+        self._inbox.put(("call", (fn, args, box, done)))
+        self._wake.set()
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[req.rid] = (loop, q)
+        finished = False
+        try:
+            self.engine.check(req)  # raise validation errors in the caller, before queueing
+            self._inbox.put(("add", req))
+            self._wake.set()
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(req.rid, None)
+            if not finished:  # the client went away: free the request's pages
+                self._inbox.put(("abort", req.rid))
+                self._wake.set()
+
+    def _deliver(self, rid: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            while True:
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    try:
+                        eng.add_request(payload)
+                    except Exception as e:  # validation raced with a config change
+                        self._deliver(payload.rid, e)
+                elif kind == "abort":
+                    eng.abort(payload)
+                elif kind == "call":
+                    fn, args, box, done = payload
+                    try:
+                        box["value"] = fn(eng, *args)
+                    except Exception as e:
+                        box["error"] = e
+                    done.set()
+            if not eng.has_work():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                events = eng.step()
+            except Exception as e:  # never leave a client hanging on an engine fault
+                for rid in list(eng.running) + [r.rid for r in eng.waiting]:
+                    self._deliver(rid, RuntimeError(f"engine error: {e}"))
+                    eng.abort(rid)
+                continue
+            for ev in events:
+                self._deliver(ev.rid, ev)
+
+    def next_rid(self) -> str:
+        return f"req-{next(self._ids)}"
