@@ -102,7 +102,10 @@ class _Request:
     status: str = "waiting"  # waiting | decode | done
     last_node: Node | None = None
     prompt_last_node: Node | None = None
-    final_view: list[Node] = dataclasses.field(default_factory=list)
+    # The final version's view, snapshotted as pages and slot tokens: nodes may be split
+    # later by other requests' matches, but their pages never move.
+    view_pages: list[int] = dataclasses.field(default_factory=list)
+    view_toks: np.ndarray | None = None
     gen_pages: list[int] = dataclasses.field(default_factory=list)
     generated: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
@@ -139,10 +142,8 @@ class Engine:
     ):
         self.cfg = model.cfg
         self.params = model.params
-        self.eos_ids = set(model.cfg.eos_token_ids)
         tok = getattr(model, "tokenizer", None)
-        if tok is not None and getattr(tok, "eos_token_ids", None):
-            self.eos_ids |= set(tok.eos_token_ids)
+        self.eos_ids = set(model.cfg.eos_token_ids) | set(getattr(tok, "eos_ids", ()) or ())
         self.page_size = page_size
         self.num_pages = max(2, -(-max_total_tokens // page_size))
         dtype = kv_dtype or self.params.embed.dtype
@@ -163,6 +164,7 @@ class Engine:
             restored_tokens=0,
             requests_finished=0,
         )
+        self._step_id = 0
         self._attn = {bq: attention_fn(self.cfg, attention_backend, bq) for bq in (1, 16)}
 
     # ------------------------------------------------------------------ admission
@@ -293,6 +295,13 @@ class Engine:
             fresh.add(node.id)
             path.append(node)
             parent = node
+        # The last prompt token's logits must be computed even on a full match; split a
+        # resident last token node so that only its last page is recomputed.
+        k = max(i for i, n in enumerate(path) if n.kind == "tokens")
+        last = path[k]
+        cut = ((len(last.key) - 1) // self.page_size) * self.page_size
+        if last.id not in fresh and cut > 0:
+            path[k : k + 1] = [self.tree.split(last, cut), last]
         return path, fresh
 
     def _choose_compute(self, r: _Request, path: list[Node], fresh: set[int]) -> set[int]:
@@ -322,7 +331,7 @@ class Engine:
                 return compute
             compute |= extra
 
-    def _plan(self, r: _Request, pending: set[int]) -> _Pass | None:
+    def _plan(self, r: _Request) -> _Pass | None:
         """Plan ``r``'s prefill pass, or None to retry next step (memory or dependencies)."""
         path, fresh = self._build_path(r)
 
@@ -332,8 +341,10 @@ class Engine:
                     self.tree.remove(node)
             return None
 
-        if any(n.id in pending for n in path):
-            return give_up()  # another request computes part of this path in this step
+        if any(n.busy_step == self._step_id for n in path):
+            # Another request computes part of this path in this step; its pages are
+            # written during the forward, too late for this request's pre-pass copies.
+            return give_up()
         compute = self._choose_compute(r, path, fresh)
         self.tree.lock(path[-1])
         allocated: list[tuple[Node, list[int]]] = []
@@ -354,7 +365,9 @@ class Engine:
             self.counters["restored_tokens"] += sum(
                 len(n.token_ids()) for n in path if n.id in was_evicted
             )
-        pending |= compute
+        for n in path:
+            if n.id in compute:
+                n.busy_step = self._step_id
         return self._lay_out(r, path, compute)
 
     def _lay_out(self, r: _Request, path: list[Node], compute: set[int]) -> _Pass:
@@ -367,8 +380,11 @@ class Engine:
         cached = 0
         for node in path:
             if node.kind == "tokens":
-                slots = _slots(node.pages, len(node.key), ps)
                 toks = node.token_ids()
+                if node.pages is None:  # emptied and, by _choose_compute, never read here
+                    view.append(node)
+                    continue
+                slots = _slots(node.pages, len(node.key), ps)
                 if node.id in compute:
                     seg = int(tl.token_seg[node.tok_start])
                     view_toks = [t for v in view for t in self._slot_tokens(v)]
@@ -392,11 +408,16 @@ class Engine:
                     src.update({t: None for t in toks})
                 else:
                     cached += len(toks)
-                    src.update({t: (sl, int(tl.version_pos[epoch][t])) for t, sl in zip(toks, slots)})
+                    pos = tl.version_pos[epoch]
+                    src.update({t: (sl, int(pos[t])) for t, sl in zip(toks, slots, strict=True)})
                 view.append(node)
             elif node.kind == "repos":
                 epoch += 1
                 held = node.held_tokens
+                view = [node]
+                if node.pages is None:  # emptied and unread: later versions come after it
+                    src = {}
+                    continue
                 slots = _slots(node.pages, len(held), ps)
                 if node.id in compute:
                     for t, sl in zip(held, slots, strict=True):
@@ -409,13 +430,14 @@ class Engine:
                 # Later copies start from this version only when it is resident already;
                 # otherwise they keep using the older resident copy or the pass's write.
                 if node.id not in compute:
-                    src = {t: (sl, int(tl.version_pos[epoch][t])) for t, sl in zip(held, slots)}
+                    pos = tl.version_pos[epoch]
+                    src = {t: (sl, int(pos[t])) for t, sl in zip(held, slots, strict=True)}
                 else:
                     src = {t: src.get(t) for t in held}
-                view = [node]
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
         p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
-        r.final_view = view
+        r.view_pages = self._view_pages(view)
+        r.view_toks = np.asarray([t for v in view for t in self._slot_tokens(v)], np.int64)
         r.last_node = path[-1]
         r.prompt_last_node = path[-1]
         r.cached_tokens = cached
@@ -423,14 +445,14 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[TokenEvent]:
-        pending: set[int] = set()
+        self._step_id += 1
         passes: list[tuple[_Request, _Pass]] = []
         budget = self.prefill_chunk
         while self.waiting and len(self.running) + len(passes) < self.max_running:
             r = self.waiting[0]
             if passes and budget < r.tl.num_tokens:
                 break
-            p = self._plan(r, pending)
+            p = self._plan(r)
             if p is None:
                 break
             self.waiting.popleft()
@@ -468,9 +490,9 @@ class Engine:
                 return None
             r.gen_pages.extend(pages)
         tl = r.tl
-        view_toks = [t for v in r.final_view for t in self._slot_tokens(v)]
-        vis = np.asarray(view_toks) >= 0
-        vis[vis] = tl.final_active[np.asarray(view_toks)[vis]]
+        toks = r.view_toks
+        vis = toks >= 0
+        vis[vis] = tl.final_active[toks[vis]]
         gen_vis = np.arange(len(r.gen_pages) * ps) <= j
         slot = r.gen_pages[j // ps] * ps + j % ps
         pos = tl.next_pos + j
@@ -482,9 +504,9 @@ class Engine:
                 SegmentSpec(
                     q_start=0,
                     q_len=1,
-                    pages=self._view_pages(r.final_view) + r.gen_pages,
+                    pages=r.view_pages + r.gen_pages,
                     kv_visible=np.concatenate([vis, gen_vis]),
-                    causal_pos=len(view_toks) + j,
+                    causal_pos=len(toks) + j,
                 )
             ],
             logits_row=0,
@@ -504,8 +526,9 @@ class Engine:
             rows.append(off + p.logits_row)
         if copies:
             self._copy(copies)
-        T = bucket(len(tokens), block_q)
-        W = bucket(max(len(w) for w in writes), 1)
+        # Generous minimum buckets: a handful of compiled programs serve every step.
+        T = bucket(len(tokens), max(block_q, 8 if block_q == 1 else 64))
+        W = bucket(max(len(w) for w in writes), 1 if block_q == 1 else 4)
         sentinel = self.num_pages * ps
         slot_arr = np.full((W, T), sentinel, np.int32)
         pos_arr = np.zeros((W, T), np.int32)
@@ -521,11 +544,11 @@ class Engine:
             segs,
             page_size=ps,
             block_q=block_q,
-            num_blocks=bucket(n_blocks, 1),
-            num_segments=bucket(len(segs), 1),
-            max_pages=bucket(max(len(s.pages) for s in segs), 8),
+            num_blocks=bucket(n_blocks, 8),
+            num_segments=bucket(len(segs), 8),
+            max_pages=bucket(max(len(s.pages) for s in segs), 32),
         )
-        row_arr = np.zeros(bucket(len(rows), 1), np.int32)
+        row_arr = np.zeros(bucket(len(rows), 8), np.int32)
         row_arr[: len(rows)] = rows
         logits, self.kv = _forward_step(
             self.params,
@@ -578,25 +601,26 @@ class Engine:
         elif len(r.generated) >= sp.max_new_tokens:
             reason = "length"
         if reason is None:
-            return [TokenEvent(r.rid, tok, lp, False, None, {})]
+            meta = self._meta(r) if len(r.generated) == 1 else {}
+            return [TokenEvent(r.rid, tok, lp, False, None, meta)]
         ev = self._finish(r, reason)
         ev.token_id, ev.logprob = tok, lp
         return [ev]
 
-    def _finish(self, r: _Request, reason: str) -> TokenEvent:
-        self.running.pop(r.rid, None)
-        active = int(r.tl.final_active.sum())
-        self._release(r, insert=True)
-        self.counters["requests_finished"] += 1
-        meta = dict(
+    @staticmethod
+    def _meta(r: _Request) -> dict:
+        return dict(
             prompt_tokens=r.tl.num_tokens,
             cached_tokens=r.cached_tokens,
-            active_tokens=active + len(r.generated),
-            completion_tokens=len(r.generated),
-            finish_reason=reason,
+            active_tokens=int(r.tl.final_active.sum()) + len(r.generated),
         )
-        tok = r.generated[-1] if r.generated else -1
-        return TokenEvent(r.rid, tok, None, True, reason, meta)
+
+    def _finish(self, r: _Request, reason: str) -> TokenEvent:
+        self.running.pop(r.rid, None)
+        meta = dict(self._meta(r), completion_tokens=len(r.generated), finish_reason=reason)
+        self._release(r, insert=True)
+        self.counters["requests_finished"] += 1
+        return TokenEvent(r.rid, -1, None, True, reason, meta)
 
     def _release(self, r: _Request, insert: bool) -> None:
         """Hand generated KV to the tree (the next turn reuses it) and unlock the path."""
@@ -677,13 +701,19 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             self._thread = None
 
-    def call(self, fn, *args):
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def call(self, fn, *args, timeout: float = 120.0):
         """Run ``fn(engine, *args)`` on the engine thread and wait for its result."""
         done = threading.Event()
         box: dict = {}
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("the engine thread is not running")
         self._inbox.put(("call", (fn, args, box, done)))
         self._wake.set()
-        done.wait()
+        if not done.wait(timeout):
+            raise TimeoutError(f"engine did not answer within {timeout} s")
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -695,7 +725,8 @@ class AsyncEngine:
             self._streams[req.rid] = (loop, q)
         finished = False
         try:
-            self.engine.check(req)  # raise validation errors in the caller, before queueing
+            # Validation errors (Engine.check, run again by add_request on the engine thread)
+            # come back through the stream as exceptions.
             self._inbox.put(("add", req))
             self._wake.set()
             while not finished:

@@ -44,6 +44,7 @@ class Node:
         "last_used",
         "tok_start",
         "held_tokens",
+        "busy_step",
     )
 
     def __init__(self, key: tuple, kind: str, parent: Node | None, tok_start: int = 0):
@@ -57,6 +58,7 @@ class Node:
         self.last_used = time.monotonic()
         self.tok_start = tok_start  # absolute index of the first token (token nodes)
         self.held_tokens: tuple[int, ...] = ()  # absolute token ids a repos node holds
+        self.busy_step = -1  # the scheduler step whose forward writes this node's KV
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +109,7 @@ class RadixTree:
             if best is None:
                 break
             if best.kind == "tokens" and best_len < len(best.key):
-                best = self._split(best, best_len)
+                best = self.split(best, best_len)
             path.append(best)
             i += len(best.key)
             node = best
@@ -116,12 +118,13 @@ class RadixTree:
             n.last_used = now
         return path
 
-    def _split(self, node: Node, n: int) -> Node:
+    def split(self, node: Node, n: int) -> Node:
         """Split token node at ``n`` (a page multiple): returns the new upper part."""
         assert n % self.page_size == 0 and 0 < n < len(node.key)
         upper = Node(node.key[:n], "tokens", node.parent, node.tok_start)
         upper.lock = node.lock
         upper.last_used = node.last_used
+        upper.busy_step = node.busy_step
         if node.pages is not None:
             upper.pages = node.pages[: n // self.page_size]
             node.pages = node.pages[n // self.page_size :]

@@ -1,0 +1,222 @@
+"""``python -m akv_jax.serving.main``: serve a model over HTTP (see docs/serving.md).
+
+With no flags it serves the embedded default model on 127.0.0.1:30000. Every startup problem
+(bad flag, unloadable model, port in use) is one line on stderr and a non-zero exit, never a
+traceback; ``--log-level debug`` logs the traceback as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import uvicorn
+
+log = logging.getLogger("akv_jax.serving")
+
+PROG = "python -m akv_jax.serving.main"
+EXIT_USAGE, EXIT_FAILURE = 2, 1
+
+
+class StartupError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAILURE):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage block; one line is easier to read in a log.
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {v}")
+        return v
+
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Serve a model with AKV cache operations over HTTP.")
+    p.add_argument("--model-path", default=None,
+                   help="Hugging Face folder, .gguf file, converted checkpoint, or 'tiny' "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name reported by /v1/models (default: from --model-path)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=30000, help="0 picks a free port")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--attention-backend", choices=("auto", "reference", "pallas"), default="auto")
+    p.add_argument("--max-total-tokens", type=_positive("--max-total-tokens"), default=16384,
+                   help="KV pool size in tokens")
+    p.add_argument("--page-size", type=_positive("--page-size"), default=16)
+    p.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel degree")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--max-running-requests", type=_positive("--max-running-requests"),
+                   default=16)
+    p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=4096,
+                   help="most prompt tokens prefilled in one scheduler step")
+    p.add_argument("--max-new-tokens-limit", type=_positive("--max-new-tokens-limit"),
+                   default=32768, help="largest max_new_tokens / max_tokens a request may ask")
+    p.add_argument("--skip-warmup", action="store_true",
+                   help="do not compile the forward pass with a dummy request before serving")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return p
+
+
+def served_name(model_path: str | None) -> str:
+    if model_path in (None, "", "default"):
+        from akv_jax.model.loading import DEFAULT_MODEL
+
+        return DEFAULT_MODEL
+    path = Path(model_path)
+    return path.stem if path.suffix == ".gguf" else (path.resolve().name or str(model_path))
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before the (slow) model load, so a taken port fails at once."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _url(sock: socket.socket, host: str) -> str:
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def warmup(engine) -> None:
+    """Compile the prefill and decode shapes a short request uses, then forget it."""
+    from akv_jax.cache.ops import OpHistory
+    from akv_jax.serving.engine import GenerateRequest, SamplingParams
+
+    req = GenerateRequest("warmup", [[0, 1, 2, 3]], OpHistory.empty(1),
+                          SamplingParams(max_new_tokens=2, ignore_eos=True), return_logprob=True)
+    engine.add_request(req)
+    while engine.has_work():
+        engine.step()
+    engine.flush_cache()
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Flag combinations argparse cannot check on its own."""
+    if args.tp > 1:
+        raise StartupError(f"--tp {args.tp}: tensor-parallel serving is not supported yet",
+                           EXIT_USAGE)
+    if args.max_total_tokens < args.page_size:
+        raise StartupError(
+            f"--max-total-tokens {args.max_total_tokens} is smaller than one page "
+            f"(--page-size {args.page_size})", EXIT_USAGE,
+        )
+
+
+def build_server(args: argparse.Namespace, sock: socket.socket) -> ReadyServer:
+    """Load the model and build the uvicorn server (StartupError on any failure)."""
+    from akv_jax.model.loading import load_model
+    from akv_jax.serving.api import create_app
+    from akv_jax.serving.engine import AsyncEngine, Engine
+    from akv_jax.serving.protocol import Limits
+
+    what = args.model_path or "the default model"
+    try:
+        model = load_model(args.model_path, args.dtype, progress=sys.stderr.isatty())
+    except Exception as e:  # any loader failure is a user-facing "cannot load" line
+        log.debug("model load failed", exc_info=True)
+        raise StartupError(f"cannot load {what}: {e}") from None
+    try:
+        engine = Engine(
+            model,
+            max_total_tokens=args.max_total_tokens,
+            page_size=args.page_size,
+            attention_backend=args.attention_backend,
+            max_running=args.max_running_requests,
+            prefill_chunk=args.prefill_chunk,
+        )
+        if not args.skip_warmup:
+            warmup(engine)
+    except Exception as e:
+        log.debug("engine start failed", exc_info=True)
+        raise StartupError(f"cannot start the engine for {what}: {e}") from None
+    name = args.served_model_name or served_name(args.model_path)
+    limits = Limits(max_new_tokens=args.max_new_tokens_limit)
+    app = create_app(
+        AsyncEngine(engine), name, model.tokenizer, args.api_key, limits,
+        vocab_size=model.cfg.vocab_size,
+        max_position=model.cfg.max_position_embeddings,
+        stop_ids=model.stop_ids,
+    )
+    config = uvicorn.Config(
+        app, log_level=args.log_level, access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=5,
+    )
+    return ReadyServer(config, f"akv_jax serving {name} on {_url(sock, args.host)}")
+
+
+class ReadyServer(uvicorn.Server):
+    """uvicorn's server, printing one line once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, ready_line: str):
+        super().__init__(config)
+        self.ready_line = ready_line
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self.ready_line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        check_args(args)
+        sock = bind_socket(args.host, args.port)
+        server = build_server(args, sock)
+    except StartupError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        return 130
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn re-raises Ctrl-C after its graceful shutdown; that shutdown is the clean end.
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

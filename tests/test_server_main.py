@@ -1,0 +1,129 @@
+"""``python -m akv_jax.serving.main``: startup errors are one line and a non-zero exit; the
+API key flag; and (slow) the default model with no flags."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_support import TINY_ARGS, ServerProcess
+
+PROG = "python -m akv_jax.serving.main"
+
+
+def run_main(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "akv_jax.serving.main", "--log-level", "warning", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{PROG}: error: ")
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["--dtype", "float16"], 2, "invalid choice: 'float16'"),
+        (["--attention-backend", "triton"], 2, "invalid choice: 'triton'"),
+        (["--port", "70000"], 2, "port must be in [0, 65535], got 70000"),
+        (["--port", "x"], 2, "port must be an integer"),
+        (["--page-size", "0"], 2, "--page-size must be at least 1"),
+        (["--max-total-tokens", "-5"], 2, "--max-total-tokens must be at least 1"),
+        (["--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
+        (["--tp", "2"], 2, "--tp 2: tensor-parallel serving is not supported yet"),
+        (["--max-total-tokens", "8", "--page-size", "16"], 2, "smaller than one page"),
+    ],
+)
+def test_bad_flags(args, code, words):
+    proc = run_main(*args)
+    assert proc.returncode == code
+    assert words in one_error_line(proc)
+
+
+def test_bad_model_paths(tmp_path: Path):
+    missing = run_main("--model-path", str(tmp_path / "nope"), "--port", "0")
+    assert missing.returncode == 1
+    assert "cannot load" in one_error_line(missing) and "is not a model" in missing.stderr
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    proc = run_main("--model-path", str(bad), "--port", "0")
+    assert proc.returncode == 1
+    assert f"cannot load {bad}" in one_error_line(proc)
+    fake_gguf = tmp_path / "m.gguf"
+    fake_gguf.write_text("not a gguf file")
+    proc = run_main("--model-path", str(fake_gguf), "--port", "0")
+    assert proc.returncode == 1
+    assert f"cannot load {fake_gguf}" in one_error_line(proc)
+
+
+def test_port_in_use():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = run_main("--model-path", "tiny", "--port", str(port))
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in one_error_line(proc)
+
+
+def test_api_key_server():
+    srv = ServerProcess([*TINY_ARGS, "--api-key", "sk-test", "--skip-warmup"])
+    try:
+        assert srv.ready_line == f"akv_jax serving tiny on {srv.url}"
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+        for path in ("/v1/models", "/metrics"):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(srv.url + "/generate", json={"input_ids": [1]},
+                       headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="sk-test", max_retries=0) as good:
+            assert [m.id for m in good.models.list()] == ["tiny"]
+        r = httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer sk-test"})
+        assert r.status_code == 200 and "akv_kv_pool_total_pages" in r.text
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0  # Ctrl-C is a clean shutdown
+    assert "Traceback" not in "".join(srv.stderr_lines)
+
+
+@pytest.mark.slow
+def test_default_model_with_no_flags(default_model_cache):
+    """The embedded SmolLM2-135M-Instruct on 127.0.0.1:30000 (the conftest fixture converts it
+    into the session's AKV_JAX_CACHE, which the server inherits). Skipped if the port is
+    taken."""
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 30000)) == 0:
+            pytest.skip("port 30000 is in use")
+    proc = subprocess.Popen([sys.executable, "-m", "akv_jax.serving.main"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line == "akv_jax serving SmolLM2-135M-Instruct on http://127.0.0.1:30000"
+        with openai.OpenAI(base_url="http://127.0.0.1:30000/v1", api_key="x",
+                           max_retries=0, timeout=300) as client:
+            resp = client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", temperature=0, max_tokens=20,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+            )
+        assert "Paris" in resp.choices[0].message.content
+        assert resp.choices[0].finish_reason in ("stop", "length")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -1,0 +1,230 @@
+"""Request parsing (no server): every rejection names its field and index."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from akv_jax.cache.ops import CacheOpError, OpHistory
+from akv_jax.serving import protocol
+from akv_jax.serving.protocol import Limits
+
+LIMITS = Limits(max_segments=8, max_prompt_tokens=100, max_new_tokens=64, max_stop=2,
+                max_body_bytes=10_000)
+VOCAB = 512
+
+
+def gen(body: dict) -> protocol.GenerateInput:
+    return protocol.parse_generate(body, LIMITS, VOCAB)
+
+
+def rejected(fn, body: dict) -> CacheOpError:
+    with pytest.raises(CacheOpError) as info:
+        fn(body, LIMITS, VOCAB)
+    return info.value
+
+
+def test_generate_defaults_and_flat_list():
+    inp = gen({"input_ids": [1, 2, 3]})
+    assert inp.segments == [[1, 2, 3]]
+    assert inp.history == OpHistory.empty(1)
+    assert inp.sampling == protocol.Sampling(max_new_tokens=16)
+    assert (inp.return_logprob, inp.stream) == (False, False)
+
+
+def test_generate_full_request():
+    inp = gen({
+        "input_ids": [[1, 2], [3], [4, 5]],
+        "cache": {"drop": {"2": [1]}, "reposition": [2]},
+        "sampling_params": {"max_new_tokens": 8.0, "temperature": 0.7, "top_p": 0.9,
+                            "top_k": -1, "seed": 7, "stop_token_ids": [5, 6],
+                            "ignore_eos": True},
+        "return_logprob": True,
+        "stream": True,
+    })
+    assert inp.segments == [[1, 2], [3], [4, 5]]
+    assert inp.history == OpHistory(3, {2: (1,)}, (2,))
+    assert inp.sampling == protocol.Sampling(8, 0.7, 0.9, 0, 7, (5, 6), True)
+    assert (inp.return_logprob, inp.stream) == (True, True)
+
+
+@pytest.mark.parametrize(
+    "body, field, words",
+    [
+        ({}, "input_ids", "required"),
+        ({"input_ids": "abc"}, "input_ids", "non-empty list"),
+        ({"input_ids": []}, "input_ids", "non-empty list"),
+        ({"input_ids": [[1], []]}, "input_ids[1]", "empty segment"),
+        ({"input_ids": [[1], [2, "x"]]}, "input_ids[1][1]", "integer token id"),
+        ({"input_ids": [[1], [2, 1.5]]}, "input_ids[1][1]", "integer token id"),
+        ({"input_ids": [[1], [512]]}, "input_ids[1][0]", "token id 512 outside the vocabulary"),
+        ({"input_ids": [[-1]]}, "input_ids[0][0]", "token id -1 outside the vocabulary"),
+        ({"input_ids": [[1]] * 9}, "input_ids", "9 segments exceed the limit of 8"),
+        ({"input_ids": [[1] * 60, [2] * 41]}, "input_ids", "101 prompt tokens exceed"),
+        ({"input_ids": [1] * 101}, "input_ids", "101 prompt tokens exceed"),
+        ({"input_ids": [[1], [2]], "cache": [1]}, "cache", "expected an object"),
+        ({"input_ids": [[1], [2]], "cache": {"evict": {}}}, "cache.evict", "unknown"),
+        ({"input_ids": [[1], [2]], "cache": {"drop": {"7": [0]}}}, 'cache.drop["7"]',
+         "boundary 7 out of range [0, 2)"),
+        ({"input_ids": [[1], [2]], "cache": {"drop": {"a": [0]}}}, 'cache.drop["a"]',
+         "expected an integer"),
+        ({"input_ids": [[1], [2]], "cache": {"drop": {"0": [1]}}}, 'cache.drop["0"][0]',
+         "segment 1 is dropped at boundary 0 before it exists"),
+        ({"input_ids": [[1], [2], [3]], "cache": {"drop": {"1": [0], "2": [0]}}},
+         'cache.drop["2"][0]', "dropped twice"),
+        ({"input_ids": [[1], [2]], "cache": {"drop": {"1": [0.5]}}}, 'cache.drop["1"][0]',
+         "expected an integer"),
+        ({"input_ids": [[1], [2]], "cache": {"reposition": [1, 1]}}, "cache.reposition[1]",
+         "duplicate reposition boundary 1"),
+        ({"input_ids": [[1], [2]], "cache": {"reposition": [2]}}, "cache.reposition[0]",
+         "boundary 2 out of range [0, 2)"),
+        ({"input_ids": [[1], [2]], "cache": {"reposition": 1}}, "cache.reposition",
+         "expected a list"),
+        ({"input_ids": [1], "sampling_params": [1]}, "sampling_params", "expected an object"),
+        ({"input_ids": [1], "sampling_params": {"max_tokens": 3}},
+         "sampling_params.max_tokens", "unknown field"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 65}},
+         "sampling_params.max_new_tokens", "65 exceeds the limit 64"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}},
+         "sampling_params.max_new_tokens", "below the minimum 1"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": True}},
+         "sampling_params.max_new_tokens", "expected an integer, got a boolean"),
+        ({"input_ids": [1], "sampling_params": {"temperature": "hot"}},
+         "sampling_params.temperature", "expected a number, got a string"),
+        ({"input_ids": [1], "sampling_params": {"temperature": -0.1}},
+         "sampling_params.temperature", "outside [0.0, 100.0]"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p",
+         "outside (0.0, 1.0]"),
+        ({"input_ids": [1], "sampling_params": {"top_k": -2}}, "sampling_params.top_k",
+         "below the minimum -1"),
+        ({"input_ids": [1], "sampling_params": {"seed": 2**64}}, "sampling_params.seed",
+         "exceeds the limit"),
+        ({"input_ids": [1], "sampling_params": {"stop_token_ids": [3, 600]}},
+         "sampling_params.stop_token_ids[1]", "token id 600 outside the vocabulary"),
+        ({"input_ids": [1], "sampling_params": {"stop_token_ids": [1, 2, 3]}},
+         "sampling_params.stop_token_ids", "3 entries exceed the limit 2"),
+        ({"input_ids": [1], "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos",
+         "expected true or false"),
+        ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob", "expected true or false"),
+        ({"input_ids": [1], "stream": None, "text": "hi"}, "text", "unknown field"),
+    ],
+)
+def test_generate_rejections(body, field, words):
+    err = rejected(protocol.parse_generate, body)
+    assert err.field == field
+    assert words in err.message
+    assert str(err).startswith(f"{field}: ")
+
+
+def test_json_body():
+    assert protocol.parse_json_body(b'{"a": 1}', LIMITS) == {"a": 1}
+    for raw, words in [
+        (b'{"a": ', "malformed JSON"),
+        (b"\xff\xfe", "malformed JSON"),
+        (b'{"a": NaN}', "NaN is not valid JSON"),
+        (b"[1, 2]", "expected a JSON object, got a list"),
+        (b'"x"', "expected a JSON object, got a string"),
+        (b" " * 10_001, "exceeds the limit of 10000 bytes"),
+    ]:
+        with pytest.raises(CacheOpError) as info:
+            protocol.parse_json_body(raw, LIMITS)
+        assert info.value.field == "body"
+        assert words in info.value.message
+
+
+def chat_body(**kw) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def test_chat_parse():
+    inp = protocol.parse_chat(
+        chat_body(
+            messages=[
+                {"role": "system", "content": [{"type": "text", "text": "be "},
+                                               {"type": "text", "text": "brief"}]},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
+            ],
+            max_tokens=5, max_completion_tokens=7, temperature=0, seed=3, stop="END",
+            stream=True, stream_options={"include_usage": True}, logprobs=True,
+            cache={"drop": {"1": [0]}}, n=1, presence_penalty=0, tools=[{"type": "function"}],
+            user="ignored-openai-field",
+        ),
+        LIMITS, VOCAB,
+    )
+    assert inp.messages[0]["content"] == "be brief"
+    assert inp.messages[2]["content"] == ""
+    assert inp.max_tokens == 7  # max_completion_tokens wins
+    assert inp.sampling.seed == 3 and inp.sampling.temperature == 0.0
+    assert inp.stop == ("END",)
+    assert (inp.stream, inp.include_usage, inp.logprobs) == (True, True, True)
+    assert inp.cache == {"drop": {"1": [0]}}
+    assert inp.template_kwargs == {"tools": [{"type": "function"}]}
+    assert protocol.chat_history(inp.cache, 3, 4) == OpHistory(4, {1: (0,)}, ())
+
+
+@pytest.mark.parametrize(
+    "body, field, words",
+    [
+        ({"model": "m"}, "messages", "required"),
+        (chat_body(messages=[]), "messages", "at least one message"),
+        (chat_body(messages=[{"role": "user", "content": "x"}] * 9), "messages",
+         "9 messages exceed the limit of 8"),
+        (chat_body(messages=["hi"]), "messages[0]", "expected an object"),
+        (chat_body(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", "robot"),
+        (chat_body(messages=[{"role": "user", "content": 3}]), "messages[0].content",
+         "expected a string, got a number"),
+        (chat_body(messages=[{"role": "user"}]), "messages[0].content", "required"),
+        (chat_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+         "messages[0].content[0]", "only {'type': 'text'}"),
+        (chat_body(model=3), "model", "expected a string"),
+        (chat_body(n=2), "n", "only n=1"),
+        (chat_body(max_tokens=0), "max_tokens", "below the minimum 1"),
+        (chat_body(max_tokens=65), "max_tokens", "exceeds the limit 64"),
+        (chat_body(max_completion_tokens="5"), "max_completion_tokens", "expected an integer"),
+        (chat_body(stop=["a", ""]), "stop[1]", "non-empty string"),
+        (chat_body(stop=["a", "b", "c"]), "stop", "3 entries exceed the limit 2"),
+        (chat_body(stop=5), "stop", "expected a list"),
+        (chat_body(stream="yes"), "stream", "expected true or false"),
+        (chat_body(stream_options={"include_usage": 1}), "stream_options.include_usage",
+         "expected true or false"),
+        (chat_body(temperature=101), "temperature", "outside [0.0, 100.0]"),
+        (chat_body(top_logprobs=3), "top_logprobs", "only top_logprobs=0"),
+        (chat_body(presence_penalty=0.5), "presence_penalty", "not supported"),
+        (chat_body(logit_bias={"1": 5}), "logit_bias", "not supported"),
+        (chat_body(response_format={"type": "json_object"}), "response_format",
+         "only {'type': 'text'}"),
+        (chat_body(tools=["x"]), "tools[0]", "expected an object"),
+    ],
+)
+def test_chat_rejections(body, field, words):
+    err = rejected(protocol.parse_chat, body)
+    assert err.field == field
+    assert words in err.message
+
+
+def test_chat_history_indices_are_message_indices():
+    # 2 messages + the generation-prompt segment: ops may name only the 2 messages.
+    with pytest.raises(CacheOpError) as info:
+        protocol.chat_history({"drop": {"2": [0]}}, 2, 3)
+    assert info.value.field == 'cache.drop["2"]'
+    assert "boundary 2 out of range [0, 2)" in info.value.message
+
+
+def test_final_position():
+    lens = [3, 4, 2, 5]
+    assert protocol.final_position(lens, OpHistory.empty(4)) == 14
+    # drop alone does not compact (DESIGN §2 Figure 10)
+    assert protocol.final_position(lens, OpHistory(4, {2: (1,)}, ())) == 14
+    # drop 1 then repos at 2: 3 + 2 active, then segment 3 appended
+    assert protocol.final_position(lens, OpHistory(4, {2: (1,)}, (2,))) == 5 + 5
+    assert protocol.final_position(lens, OpHistory(4, {3: (0, 3)}, (3,))) == 4 + 2
+
+
+def test_errors_are_json_serialisable():
+    err = rejected(protocol.parse_generate, {"input_ids": [[1], [2]], "cache": {"drop": {
+        "1": ["\u00e9"]}}})
+    assert json.loads(json.dumps({"message": str(err), "param": err.field}))["param"] == (
+        'cache.drop["1"][0]'
+    )
