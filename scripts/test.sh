@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install everything and run the test suite (what CI runs).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/venv.sh dev
+py=.venv/bin/python
+# Main suite (one process), then the 8-device tests in their own process: XLA_FLAGS must be
+# set before jax is imported.
+"$py" -m pytest -q -ra "$@"
+XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra -m multidevice \
+  tests/test_sharding_multidevice.py
