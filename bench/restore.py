@@ -49,7 +49,7 @@ def agent_history(rng: np.random.Generator, n: int = 24):
     segs = [rng.integers(0, SMALL.vocab_size, size=m).tolist() for m in lens]
     tools = [s for s in range(n) if s % 2 == 1]
     drops: dict[str, list[int]] = {}
-    for k, seg in enumerate(tools[:12]):  # drop tool response k at the boundary 4 segments on
+    for seg in tools[:12]:  # each of the first 12 tool responses is dropped 4 segments on
         b = min(seg + 4, n - 1)
         drops.setdefault(str(b), []).append(seg)
     return segs, parse_history({"drop": drops, "reposition": [11, 19]}, n)

@@ -9,4 +9,4 @@ py=.venv/bin/python
 # set before jax is imported.
 "$py" -m pytest -q -ra "$@"
 XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra -m multidevice \
-  tests/test_sharding_multidevice.py
+  tests/

@@ -121,7 +121,7 @@ def test_whole_history_under_one_jit(model):
     )
     logits, state = fn(params, ops.empty(CAPACITY), [p for p, _ in padded], [n for _, n in padded])
     ref_logits, ref_state = dm.run(segs, h)
-    got = np.concatenate([np.asarray(lg[:n]) for lg, (_, n) in zip(logits, padded)])
+    got = np.concatenate([np.asarray(lg[:n]) for lg, (_, n) in zip(logits, padded, strict=True)])
     np.testing.assert_allclose(got, ref_logits, atol=1e-4)
     compare_states(state, ref_state, dm, sum(map(len, segs)))
 

@@ -155,9 +155,7 @@ def test_engine_rejects_bad_requests(model):
     segs = [[1] * 2000, [2] * 2000, [3] * 100]
     with pytest.raises(CacheOpError) as e:
         big.check(
-            GenerateRequest(
-                "x", segs, parse_history(None, 3), SamplingParams(max_new_tokens=4)
-            )
+            GenerateRequest("x", segs, parse_history(None, 3), SamplingParams(max_new_tokens=4))
         )
     assert "add a reposition" in str(e.value)
     ok = parse_history({"drop": {"1": [0, 1]}, "reposition": [1]}, 3)

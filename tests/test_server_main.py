@@ -42,7 +42,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
         (["--page-size", "0"], 2, "--page-size must be at least 1"),
         (["--max-total-tokens", "-5"], 2, "--max-total-tokens must be at least 1"),
         (["--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
-        (["--tp", "2"], 2, "--tp 2: tensor-parallel serving is not supported yet"),
+        (["--tp", "2"], 2, "--tp 2: only 1 devices available"),
         (["--max-total-tokens", "8", "--page-size", "16"], 2, "smaller than one page"),
     ],
 )

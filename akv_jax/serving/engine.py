@@ -33,11 +33,13 @@ from collections.abc import AsyncIterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from akv_jax.cache.core import attention_fn
 from akv_jax.cache.ops import CacheOpError, OpHistory
 from akv_jax.cache.timeline import Timeline, timeline
 from akv_jax.model.forward import KVPool, KVWrites, forward
+from akv_jax.model.params import logical_to_spec, make_mesh, shard_params
 from akv_jax.model.rope import rerotate, rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.page_pool import PagePool
@@ -139,15 +141,30 @@ class Engine:
         max_running: int = 16,
         prefill_chunk: int = 4096,
         kv_dtype=None,
+        tp: int = 1,
+        devices=None,
     ):
         self.cfg = model.cfg
         self.params = model.params
+        self.mesh = None
+        if tp > 1:
+            # Tensor parallel: params and the KV pool carry named shardings over a
+            # ("data", "tensor") mesh; jit (GSPMD) partitions every step accordingly.
+            devices = list(devices if devices is not None else jax.devices())[:tp]
+            if len(devices) < tp:
+                raise ValueError(f"--tp {tp} needs {tp} devices, found {len(devices)}")
+            self.mesh = make_mesh(tp, devices)
+            self.params = shard_params(self.params, self.cfg, self.mesh)
         tok = getattr(model, "tokenizer", None)
         self.eos_ids = set(model.cfg.eos_token_ids) | set(getattr(tok, "eos_ids", ()) or ())
         self.page_size = page_size
         self.num_pages = max(2, -(-max_total_tokens // page_size))
         dtype = kv_dtype or self.params.embed.dtype
         self.kv = KVPool.zeros(self.cfg, self.num_pages, page_size, dtype)
+        if self.mesh is not None:
+            axes = ("layer", "page", "slot", "kv_heads", "head_dim")
+            spec = logical_to_spec(axes, self.kv.k.shape, self.mesh)
+            self.kv = jax.device_put(self.kv, NamedSharding(self.mesh, spec))
         self.pool = PagePool(self.num_pages)
         self.tree = RadixTree(self.pool, page_size)
         self.rope = rope_table_for(self.cfg)

@@ -132,8 +132,12 @@ def warmup(engine) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot check on its own."""
     if args.tp > 1:
-        raise StartupError(f"--tp {args.tp}: tensor-parallel serving is not supported yet",
-                           EXIT_USAGE)
+        import jax
+
+        if jax.device_count() < args.tp:
+            raise StartupError(
+                f"--tp {args.tp}: only {jax.device_count()} devices available", EXIT_USAGE
+            )
     if args.max_total_tokens < args.page_size:
         raise StartupError(
             f"--max-total-tokens {args.max_total_tokens} is smaller than one page "
@@ -162,6 +166,7 @@ def build_server(args: argparse.Namespace, sock: socket.socket) -> ReadyServer:
             attention_backend=args.attention_backend,
             max_running=args.max_running_requests,
             prefill_chunk=args.prefill_chunk,
+            tp=args.tp,
         )
         if not args.skip_warmup:
             warmup(engine)
