@@ -160,3 +160,19 @@ def test_engine_rejects_bad_requests(model):
     assert "add a reposition" in str(e.value)
     ok = parse_history({"drop": {"1": [0, 1]}, "reposition": [1]}, 3)
     big.check(GenerateRequest("y", segs, ok, SamplingParams(max_new_tokens=4)))
+
+
+def test_pallas_backend_through_serving_path(model):
+    """The engine with the Pallas kernels (interpret mode on the CPU) gives the reference's
+    tokens and log-probs on op histories with drops and repositions."""
+    m, dm = model
+    reqs = [
+        (
+            [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13]],
+            {"drop": {"2": [1]}, "reposition": [2]},
+        ),
+        ([[1, 2, 3, 4, 5, 6], [7, 8, 9], [14, 15]], {"drop": {"1": [0]}, "reposition": []}),
+    ]
+    eng = Engine(m, max_total_tokens=512, page_size=8, attention_backend="pallas")
+    got = run(eng, reqs, concurrent=True)
+    check(dm, reqs, got)

@@ -16,24 +16,26 @@ from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import KVPool, KVWrites, forward
 from akv_jax.model.params import Params
 from akv_jax.model.rope import RopeTable, rope_table_for
-from akv_jax.pallas.metadata import SegmentSpec, build_segment_batch, bucket
+from akv_jax.pallas.dispatch import make_attention_fn
+from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.pallas.reference import segment_attention_reference
 
 PAGE_SIZE = 16
 BLOCK_Q = 64
 
 
-def _attention(cfg: ModelConfig, block_q: int):
-    return functools.partial(
-        segment_attention_reference, block_q=block_q, sm_scale=cfg.head_dim**-0.5
-    )
+def _attention(cfg: ModelConfig, block_q: int, backend: str = "reference"):
+    if backend == "reference":
+        return functools.partial(
+            segment_attention_reference, block_q=block_q, sm_scale=cfg.head_dim**-0.5
+        )
+    return make_attention_fn(backend, block_q=block_q, sm_scale=cfg.head_dim**-0.5)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "block_q"))
-def _step(params, cfg, tokens, positions, kv, writes, batch, rope, rows, block_q):
-    return forward(
-        params, cfg, tokens, positions, kv, writes, batch, rope, _attention(cfg, block_q), rows
-    )
+@functools.partial(jax.jit, static_argnames=("cfg", "block_q", "backend"))
+def _step(params, cfg, tokens, positions, kv, writes, batch, rope, rows, block_q, backend):
+    attention = _attention(cfg, block_q, backend)
+    return forward(params, cfg, tokens, positions, kv, writes, batch, rope, attention, rows)
 
 
 def _one_segment(start: int, n: int, block_q: int, pages: int):
@@ -54,8 +56,12 @@ def greedy_generate(
     max_new_tokens: int,
     rope: RopeTable | None = None,
     stop_ids: tuple[int, ...] = (),
+    attention_backend: str = "reference",
 ) -> tuple[np.ndarray, list[int]]:
-    """Prompt logits [len(prompt), V] and up to ``max_new_tokens`` greedy tokens."""
+    """Prompt logits [len(prompt), V] and up to ``max_new_tokens`` greedy tokens.
+
+    ``attention_backend``: "reference", "pallas" or "auto" (see :mod:`akv_jax.pallas.dispatch`).
+    """
     rope = rope if rope is not None else rope_table_for(cfg)
     total = len(prompt) + max_new_tokens
     pages = bucket(-(-total // PAGE_SIZE), 1)
@@ -70,7 +76,8 @@ def greedy_generate(
     writes = KVWrites(slots=jnp.asarray(slots[None]), positions=jnp.asarray(pos[None]))
     batch = _one_segment(0, n, BLOCK_Q, pages)
     logits, kv = _step(
-        params, cfg, jnp.asarray(tokens), jnp.asarray(pos), kv, writes, batch, rope, None, BLOCK_Q
+        params, cfg, jnp.asarray(tokens), jnp.asarray(pos), kv, writes, batch, rope, None, BLOCK_Q,
+        attention_backend,
     )
     prompt_logits = np.asarray(logits[:n])
     out: list[int] = []
@@ -84,7 +91,8 @@ def greedy_generate(
         writes = KVWrites(slots=one[None], positions=one[None])
         batch = _one_segment(p, 1, 1, pages)
         logits, kv = _step(
-            params, cfg, jnp.asarray([nxt], jnp.int32), one, kv, writes, batch, rope, None, 1
+            params, cfg, jnp.asarray([nxt], jnp.int32), one, kv, writes, batch, rope, None, 1,
+            attention_backend,
         )
         nxt = int(np.argmax(np.asarray(logits[0])))
     return prompt_logits, out

@@ -1,0 +1,101 @@
+"""Pick the attention and repos implementation for a backend flag and the running platform.
+
+``backend``:
+
+* ``"reference"``: the jnp references (any platform);
+* ``"pallas"``: the kernel for the platform (GPU: Triton body, TPU: Mosaic body); on the CPU
+  the GPU body in interpret mode (slow, for tests: it runs the kernel's own code);
+* ``"auto"``: the kernel on GPU and TPU, the reference on the CPU, and the reference for a
+  shape a kernel body cannot take (e.g. a page size that is not a power of two on the GPU).
+
+The returned callables have the shapes :mod:`akv_jax.model.forward` expects:
+``attention(q, k_pages, v_pages, batch)`` and
+``repos(k_pages, pages, old_pos, new_pos, table)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from akv_jax.pallas import repos as repos_lib
+from akv_jax.pallas.metadata import SegmentBatch
+from akv_jax.pallas.reference import repos_reference, segment_attention_reference
+from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
+from akv_jax.pallas.segment_attention_tpu import segment_attention_tpu
+
+BACKENDS = ("auto", "reference", "pallas")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, bool]:
+    """``(implementation, interpret)``: implementation is "reference", "gpu" or "tpu"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    platform = platform or jax.default_backend()
+    if backend == "reference":
+        return "reference", False
+    if platform in _GPU_PLATFORMS:
+        return "gpu", False
+    if platform == "tpu":
+        return "tpu", False
+    if backend == "auto":
+        return "reference", False
+    return "gpu", True  # pallas on the CPU: the GPU body, interpreted
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def make_attention_fn(
+    backend: str = "auto",
+    *,
+    block_q: int,
+    sm_scale: float,
+    sinks: jax.Array | None = None,
+    sliding_window: int | None = None,
+    platform: str | None = None,
+    **kernel_options: Any,
+) -> Callable[[jax.Array, jax.Array, jax.Array, SegmentBatch], jax.Array]:
+    """Segment-batch attention for ``backend`` (see the module docstring).
+
+    ``kernel_options`` go to the kernel body (e.g. ``kv_splits``, ``num_warps`` on the GPU,
+    ``vmem_limit_bytes`` on the TPU) and are ignored by the reference.
+    """
+    impl, interpret = resolve_backend(backend, platform)
+    common = dict(block_q=block_q, sm_scale=sm_scale, sinks=sinks, sliding_window=sliding_window)
+    reference = functools.partial(segment_attention_reference, **common)
+    if impl == "reference":
+        return reference
+    body = segment_attention_gpu if impl == "gpu" else segment_attention_tpu
+    kernel = functools.partial(body, interpret=interpret, **common, **kernel_options)
+
+    def attention(q, k_pages, v_pages, batch):
+        if impl == "gpu" and backend == "auto" and not _is_pow2(k_pages.shape[1]):
+            return reference(q, k_pages, v_pages, batch)
+        return kernel(q, k_pages, v_pages, batch)
+
+    return attention
+
+
+def make_repos_fn(
+    backend: str = "auto", *, platform: str | None = None
+) -> Callable[..., jax.Array]:
+    """``repos(k_pages, pages, old_pos, new_pos, table) -> k_pages`` for ``backend``."""
+    impl, interpret = resolve_backend(backend, platform)
+    if impl == "reference":
+        return repos_reference
+
+    def repos(k_pages, pages, old_pos, new_pos, table):
+        _, ps, _, dh = k_pages.shape
+        if impl == "gpu" and backend == "auto" and not repos_lib.gpu_supports(ps, dh):
+            return repos_reference(k_pages, pages, old_pos, new_pos, table)
+        return repos_lib.repos_pallas(
+            k_pages, pages, old_pos, new_pos, table, body=impl, interpret=interpret
+        )
+
+    return repos

@@ -1,0 +1,243 @@
+"""Segment-batch ragged paged attention: GPU body (Pallas, Triton lowering).
+
+Grid ``(query block, kv head, kv split)``. A program holds one kv head's query tile: ``rows``
+query rows times the (padded) GQA group, so every query head that shares the kv head reads
+each key once. It walks the block's range of *visible* pages (see :mod:`plan`), a few pages
+per step, with an online softmax in registers; pages no query of the segment can see were
+compacted away beforehand and are never touched.
+
+Triton wants power-of-two tensor sizes and dot operands of at least 16: the GQA group and the
+head dim are padded to powers of two (padded q lanes are zero; k/v are read through a block
+wider than the head dim, whose extra lanes are undefined, so k's are zeroed and v's only reach
+output lanes that are cut off), the tile to >= 16 rows, and small pages are gathered several
+per step so a step holds >= 16 keys. Page size must be a power of two.
+
+Split-K (``kv_splits`` > 1) runs several programs over disjoint parts of the page range, for
+decode where blocks x heads alone cannot fill the GPU; the per-split partial results
+(unnormalised accumulator, running max, running sum) are merged in :func:`merge_splits`,
+which also adds attention sinks. The reference is
+:func:`akv_jax.pallas.reference.segment_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from akv_jax.pallas import plan as plan_lib
+from akv_jax.pallas.metadata import SegmentBatch
+
+NEG = -1e30  # finite "minus infinity", same as the reference: masked rows give exact zeros
+# Split-K aims at ~4 programs per SM of a 132-SM H100/H200 (decode streams KV: more resident
+# programs hide more memory latency), with at most 64 splits.
+_TARGET_PROGRAMS = 4 * 132
+_MAX_SPLITS = 64
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _gpu_kernel(
+    meta_ref,  # [4] int32: segment, view index of row 0, first and end compacted page
+    pages_ref,  # [S, MPp] int32 compacted visible pages
+    slot_ref,  # [S, MPp, ps] int32 view index per slot, -1 = masked
+    q_ref,  # [M, Dp]
+    k_ref,  # [P, ps, Dp] this kv head's keys (lanes >= Dh are masked loads)
+    v_ref,  # [P, ps, Dp]
+    acc_ref,  # [M, Dp] float32 unnormalised output
+    m_ref,  # [M] float32 running max
+    l_ref,  # [M] float32 running sum
+    *,
+    sm_scale: float,
+    head_dim: int,
+    group_pad: int,
+    pages_per_step: int,
+    kv_splits: int,
+    sliding_window: int | None,
+):
+    M, Dp = q_ref.shape
+    ps = k_ref.shape[1]
+    bk = pages_per_step * ps
+    seg, kv_pos, lo, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
+    # This split's share of [lo, hi), in whole steps.
+    per_split = pl.cdiv(pl.cdiv(hi - lo, kv_splits), pages_per_step) * pages_per_step
+    start = lo + pl.program_id(2) * per_split
+    end = jnp.minimum(hi, start + per_split)
+    steps = pl.cdiv(jnp.maximum(end - start, 0), pages_per_step)
+
+    q = q_ref[...]
+    row_pos = kv_pos + jax.lax.broadcasted_iota(jnp.int32, (M, 1), 0) // group_pad
+
+    def body(i, carry):
+        acc, m, lsum = carry
+        idx = start + i * pages_per_step + jax.lax.broadcasted_iota(
+            jnp.int32, (pages_per_step,), 0
+        )
+        ok = idx < end
+        idx = jnp.where(ok, idx, start)
+        phys = pages_ref[seg, idx]  # [pps]
+        pos = jnp.where(ok[:, None], slot_ref[seg, idx, :], -1).reshape(1, bk)
+        k = k_ref[phys].reshape(bk, Dp)
+        v = v_ref[phys].reshape(bk, Dp)
+        if head_dim != Dp:
+            # Lanes past the head dim are out-of-bounds loads: undefined on the GPU, NaN under
+            # interpret. q is zero there, but 0 * NaN is not zero.
+            lane = jax.lax.broadcasted_iota(jnp.int32, (1, Dp), 1)
+            k = jnp.where(lane < head_dim, k, jnp.zeros_like(k))
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale
+        mask = (pos >= 0) & (pos <= row_pos)
+        if sliding_window is not None:
+            mask &= pos > row_pos - sliding_window
+        s = jnp.where(mask, s, NEG)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        # where(), not just exp(): a row with nothing visible yet has m_new == NEG.
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        lsum = alpha * lsum + p.sum(axis=1)
+        # Invisible slots may hold NaN; 0 * NaN would leak through the matmul.
+        v = jnp.where(pos.reshape(bk, 1) >= 0, v, jnp.zeros_like(v))
+        acc = alpha[:, None] * acc + jnp.dot(
+            p.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
+        return acc, m_new, lsum
+
+    init = (
+        jnp.zeros((M, Dp), jnp.float32),
+        jnp.full((M,), NEG, jnp.float32),
+        jnp.zeros((M,), jnp.float32),
+    )
+    acc, m, lsum = jax.lax.fori_loop(0, steps, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = lsum
+
+
+def merge_splits(
+    acc: jax.Array, m: jax.Array, lsum: jax.Array, sinks: jax.Array | None = None
+) -> jax.Array:
+    """Combine split partials ``acc [K, ..., M, D]``, ``m, lsum [K, ..., M]`` into the output.
+
+    ``sinks`` (broadcastable to ``m[0]``) is one more softmax term with no value, counted once.
+    Rows that saw nothing (and no sink) come out as exact zeros.
+    """
+    m_all = m.max(axis=0)
+    if sinks is not None:
+        m_all = jnp.maximum(m_all, sinks)
+    w = jnp.exp(m - m_all[None])
+    denom = (w * lsum).sum(axis=0)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks - m_all)
+    num = (w[..., None] * acc).sum(axis=0)
+    return num / jnp.maximum(denom, 1e-30)[..., None]
+
+
+def default_kv_splits(programs: int, max_steps: int) -> int:
+    """Enough splits to give the GPU ~4 programs per SM, never more than there are steps."""
+    if programs >= _TARGET_PROGRAMS:
+        return 1
+    return max(1, min(_MAX_SPLITS, -(-_TARGET_PROGRAMS // programs), max_steps))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "block_q", "sm_scale", "sliding_window", "rows_per_tile", "keys_per_step",
+        "kv_splits", "num_warps", "num_stages", "interpret",
+    ),
+)
+def segment_attention_gpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    batch: SegmentBatch,
+    *,
+    block_q: int,
+    sm_scale: float,
+    sinks: jax.Array | None = None,
+    sliding_window: int | None = None,
+    rows_per_tile: int = 64,
+    keys_per_step: int = 64,
+    kv_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Same contract as ``segment_attention_reference``; see the module docstring."""
+    T, Hq, Dh = q.shape
+    P, ps, Hkv, _ = k_pages.shape
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads is not a multiple of {Hkv} kv heads")
+    if ps & (ps - 1):
+        raise ValueError(f"the GPU kernel needs a power-of-two page size, got {ps}")
+    G = Hq // Hkv
+    gp, dp = _pow2(G), max(16, _pow2(Dh))
+    # Query rows per tile: a power of two, so the tile (rows x padded group) is one too.
+    rows = max(1, min(_pow2(block_q), rows_per_tile // gp))
+    M = max(16, rows * gp)
+    # Pages per step: >= 16 keys for the dot, about keys_per_step otherwise.
+    pps = max(1, max(16, _pow2(keys_per_step)) // ps)
+
+    blocks = plan_lib.split_blocks(plan_lib.blocks_of(batch), block_q, rows)
+    plan = plan_lib.plan_pages(
+        batch, blocks, page_size=ps, sliding_window=sliding_window, pad_pages_to=pps
+    )
+    NB = blocks.num_blocks
+    MPp = plan.pages.shape[1]
+    splits = kv_splits or default_kv_splits(NB * Hkv, -(-MPp // pps))
+    meta = jnp.stack([jnp.maximum(blocks.seg, 0), blocks.kv_pos, plan.lo, plan.hi], axis=1)
+    q_tiles = plan_lib.gather_q_tiles(
+        q, blocks, rows=rows, num_kv_heads=Hkv, group_pad=gp, head_dim_pad=dp, tile_rows=M
+    )
+
+    kernel = functools.partial(
+        _gpu_kernel,
+        sm_scale=sm_scale,
+        head_dim=Dh,
+        group_pad=gp,
+        pages_per_step=pps,
+        kv_splits=splits,
+        sliding_window=sliding_window,
+    )
+    whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s: (0,) * a.ndim)
+    kv_spec = pl.BlockSpec((P, ps, None, dp), lambda b, h, s: (0, 0, h, 0))
+    acc, m, lsum = pl.pallas_call(
+        kernel,
+        grid=(NB, Hkv, splits),
+        in_specs=[
+            pl.BlockSpec((None, 4), lambda b, h, s: (b, 0)),
+            whole(plan.pages),
+            whole(plan.slot_pos),
+            pl.BlockSpec((None, None, M, dp), lambda b, h, s: (b, h, 0, 0)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, M, dp), lambda b, h, s: (s, b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, M), lambda b, h, s: (s, b, h, 0)),
+            pl.BlockSpec((None, None, None, M), lambda b, h, s: (s, b, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, NB, Hkv, M, dp), jnp.float32),
+            jax.ShapeDtypeStruct((splits, NB, Hkv, M), jnp.float32),
+            jax.ShapeDtypeStruct((splits, NB, Hkv, M), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="akv_segment_attention",
+    )(meta, plan.pages, plan.slot_pos, q_tiles, k_pages, v_pages)
+
+    sink_rows = None
+    if sinks is not None:
+        # Row i * gp + g of kv head h belongs to query head h * G + g.
+        s = jnp.pad(sinks.astype(jnp.float32).reshape(Hkv, G), ((0, 0), (0, gp - G)))
+        s = jnp.tile(s, (1, rows))
+        sink_rows = jnp.pad(s, ((0, 0), (0, M - rows * gp)))[None]  # [1, Hkv, M]
+    o = merge_splits(acc, m, lsum, sink_rows)
+    return plan_lib.scatter_out_tiles(
+        o, blocks, rows=rows, group_pad=gp, num_q_heads=Hq, head_dim=Dh, T=T, dtype=q.dtype
+    )

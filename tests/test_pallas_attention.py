@@ -1,0 +1,285 @@
+"""Segment-batch attention: jnp reference vs a dense numpy oracle, and both Pallas kernel
+bodies (GPU/Triton and TPU/Mosaic, run in interpret mode on the CPU) vs the reference.
+
+Every case fills the slots no segment may attend (spare pages, the tail of partial pages,
+dropped slots) with NaN, so any stray read shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from akv_jax.model.causal import greedy_generate
+from akv_jax.model.config import tiny_config
+from akv_jax.model.params import init_params
+from akv_jax.pallas import cases
+from akv_jax.pallas import plan as plan_lib
+from akv_jax.pallas.dispatch import make_attention_fn, resolve_backend
+from akv_jax.pallas.metadata import SegmentSpec, build_segment_batch
+from akv_jax.pallas.reference import segment_attention_reference
+from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
+from akv_jax.pallas.segment_attention_tpu import segment_attention_tpu
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+BODIES = {"gpu": segment_attention_gpu, "tpu": segment_attention_tpu}
+
+
+def make(kind: str, *, page_size: int, seed: int = 0, block_q: int | None = None) -> cases.Case:
+    rng = np.random.default_rng(seed)
+    if kind == "decode":
+        lens = [1, 37, page_size * 3, 150, 96, 200, 50]  # a lone token, partial and full pages
+        case = cases.decode_case(rng, lens, page_size=page_size, drop_fraction=0.5, span=24)
+        # The last request sees nothing at all (its row must come out as zeros, not NaN).
+        blind = case.specs[-1]
+        case.specs[-1] = dataclasses.replace(blind, kv_visible=np.zeros_like(blind.kv_visible))
+        return case
+    if kind == "prefill":
+        return cases.prefill_case(
+            rng, 160, 90, page_size=page_size, block_q=block_q or 32, drop_fraction=0.4
+        )
+    if kind == "restore":
+        return cases.restore_case(rng, (20, 70, 25, 40, 30), page_size=page_size,
+                                  block_q=block_q or 16)
+    if kind == "long":  # the largest: 512 query rows
+        return cases.prefill_case(
+            rng, 0, 512, page_size=page_size, block_q=block_q or 64, drop_fraction=0.0
+        )
+    raise ValueError(kind)
+
+
+def dense_oracle(q, k_pages, v_pages, specs, page_size, sm_scale, sinks=None, window=None):
+    """Per-token softmax over exactly the keys each query row may see, in float64 numpy."""
+    q = np.asarray(q, np.float64)
+    k_pages, v_pages = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    T, Hq, Dh = q.shape
+    Hkv = k_pages.shape[2]
+    G = Hq // Hkv
+    out = np.zeros_like(q)
+    for spec in specs:
+        n = len(spec.kv_visible)
+        keys = k_pages[np.asarray(spec.pages)].reshape(-1, Hkv, Dh)[:n]
+        vals = v_pages[np.asarray(spec.pages)].reshape(-1, Hkv, Dh)[:n]
+        for i in range(spec.q_len):
+            c = spec.causal_pos + i
+            j = np.arange(n)
+            seen = spec.kv_visible & (j <= c)
+            if window is not None:
+                seen &= j > c - window
+            idx = np.flatnonzero(seen)
+            for h in range(Hq):
+                logits = keys[idx, h // G] @ q[spec.q_start + i, h] * sm_scale
+                extra = [] if sinks is None else [float(sinks[h])]
+                if len(idx) == 0 and not extra:
+                    continue
+                m = max(list(logits) + extra)
+                e = np.exp(logits - m)
+                denom = e.sum() + sum(np.exp(x - m) for x in extra)
+                out[spec.q_start + i, h] = e @ vals[idx, h // G] / denom
+    return out
+
+
+def _assert_close(out, want, dtype):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert not np.isnan(out).any(), "NaN in output: a masked slot was read"
+    np.testing.assert_allclose(out, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ---------------------------------------------------------------- reference vs numpy oracle
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "restore"])
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "sinks+window"])
+def test_reference_matches_dense_oracle(kind, extras):
+    case = make(kind, page_size=16)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(1), num_kv_heads=2, group=3, head_dim=16
+    )
+    sinks = jnp.linspace(-1.0, 2.0, 6) if extras else None
+    window = 33 if extras else None
+    scale = 16**-0.5
+    got = segment_attention_reference(
+        q, k, v, batch, block_q=case.block_q, sm_scale=scale, sinks=sinks, sliding_window=window
+    )
+    want = dense_oracle(q, k, v, case.specs, 16, scale, sinks=sinks, window=window)
+    _assert_close(got, want, jnp.float32)
+
+
+def test_reference_fully_masked_rows_are_zero():
+    specs = [SegmentSpec(q_start=0, q_len=3, pages=[1], kv_visible=np.zeros(8, bool),
+                         causal_pos=5)]
+    batch = build_segment_batch(specs, page_size=8, block_q=4)
+    q = jnp.ones((4, 2, 8))
+    k = jnp.full((2, 8, 1, 8), jnp.nan)
+    out = segment_attention_reference(q, k, k, batch, block_q=4, sm_scale=1.0)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+# ------------------------------------------------------------------- kernels vs reference
+
+# (kind, group, page_size, dtype): every kind meets GQA groups 1, 3, 4, 8 and page sizes
+# 1, 16, 64 somewhere, and both dtypes. Each case is one interpret-mode compile (seconds), so
+# the TPU body, which has fewer users on the CPU, gets a subset.
+KERNEL_CASES = [
+    ("decode", 1, 16, jnp.float32),
+    ("decode", 8, 1, jnp.float32),
+    ("decode", 3, 64, jnp.bfloat16),
+    ("prefill", 4, 16, jnp.float32),
+    ("prefill", 1, 64, jnp.float32),
+    ("prefill", 8, 16, jnp.bfloat16),
+    ("restore", 3, 16, jnp.float32),
+    ("restore", 4, 1, jnp.float32),
+    ("restore", 8, 64, jnp.float32),
+    ("restore", 1, 16, jnp.bfloat16),
+]
+TPU_CASES = [KERNEL_CASES[i] for i in (0, 2, 5, 6)]
+_REFERENCE_CACHE: dict = {}
+
+
+def _case_id(c):
+    kind, g, ps, dt = c
+    return f"{kind}-g{g}-ps{ps}-{jnp.dtype(dt).name}"
+
+
+def _check_kernel(body, kind, group, page_size, dtype, head_dim=16, kernel_kw=None, **kw):
+    case = make(kind, page_size=page_size)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(2), num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype
+    )
+    scale = head_dim**-0.5
+    key = (kind, group, page_size, jnp.dtype(dtype).name, head_dim, tuple(sorted(kw)))
+    if key not in _REFERENCE_CACHE:  # both bodies check against the same reference run
+        _REFERENCE_CACHE[key] = segment_attention_reference(
+            q, k, v, batch, block_q=case.block_q, sm_scale=scale, **kw
+        )
+    got = BODIES[body](
+        q, k, v, batch, block_q=case.block_q, sm_scale=scale, interpret=True, **kw,
+        **(kernel_kw or {}),
+    )
+    assert got.dtype == q.dtype and got.shape == q.shape
+    _assert_close(got, _REFERENCE_CACHE[key], dtype)
+    if kind == "decode":  # the blind request
+        np.testing.assert_array_equal(np.asarray(got[len(case.specs) - 1], np.float32), 0.0)
+
+
+@pytest.mark.parametrize(
+    "kind,group,page_size,dtype", KERNEL_CASES, ids=[_case_id(c) for c in KERNEL_CASES]
+)
+def test_gpu_kernel_matches_reference(kind, group, page_size, dtype):
+    _check_kernel("gpu", kind, group, page_size, dtype)
+
+
+@pytest.mark.parametrize(
+    "kind,group,page_size,dtype", TPU_CASES, ids=[_case_id(c) for c in TPU_CASES]
+)
+def test_tpu_kernel_matches_reference(kind, group, page_size, dtype):
+    _check_kernel("tpu", kind, group, page_size, dtype)
+
+
+SINKS = jnp.asarray([0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 3.0, 1.0])
+
+
+@pytest.mark.parametrize("body,kind", [("gpu", "decode"), ("gpu", "restore"), ("tpu", "restore")])
+def test_kernel_sinks_window_odd_head_dim(body, kind):
+    """Sinks (an extra softmax term) and a sliding window, with a head dim of 24 (padded to 32
+    lanes by the GPU body). The TPU body also cuts its 16-row blocks into tiles of 8 rows."""
+    kernel_kw = {"max_tile_rows": 32} if body == "tpu" else None
+    _check_kernel(body, kind, 4, 16, jnp.float32, head_dim=24, sinks=SINKS, sliding_window=29,
+                  kernel_kw=kernel_kw)
+
+
+def test_gpu_kernel_without_split():
+    """The other tests' shapes get split-K by default (few programs); here one split."""
+    case = make("prefill", page_size=16)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(3), num_kv_heads=2, group=4, head_dim=16
+    )
+    ref = segment_attention_reference(q, k, v, batch, block_q=case.block_q, sm_scale=0.25)
+    got = segment_attention_gpu(
+        q, k, v, batch, block_q=case.block_q, sm_scale=0.25, kv_splits=1, keys_per_step=16,
+        interpret=True,
+    )
+    _assert_close(got, ref, jnp.float32)
+
+
+@pytest.mark.parametrize("body", ["gpu", "tpu"])
+def test_kernel_512_rows(body):
+    """The largest case: a 512-token prefill (8 blocks of 64 rows, cut into tiles)."""
+    _check_kernel(body, "long", 4, 16, jnp.float32)
+
+
+# -------------------------------------------------------------------------- page skipping
+
+
+def test_plan_reads_only_visible_pages():
+    """Each block's page range holds exactly the visible pages its rows can reach."""
+    ps = 16
+    case = make("decode", page_size=ps)
+    batch = case.batch()
+    blocks = plan_lib.blocks_of(batch)
+    plan = plan_lib.plan_pages(batch, blocks, page_size=ps)
+    lo, hi, pages = map(np.asarray, (plan.lo, plan.hi, plan.pages))
+    for b, spec in enumerate(case.specs):
+        vis_pages = [
+            p for i, p in enumerate(spec.pages) if spec.kv_visible[i * ps : (i + 1) * ps].any()
+        ]
+        assert lo[b] == 0 and hi[b] == len(vis_pages)
+        assert pages[b, : hi[b]].tolist() == vis_pages
+    # With half the spans dropped, the kernel reads fewer pages than the views hold.
+    assert hi[: len(case.specs)].sum() < sum(len(s.pages) for s in case.specs)
+
+
+def test_plan_sliding_window_and_causal_cut():
+    ps = 8
+    specs = [SegmentSpec(q_start=0, q_len=4, pages=list(range(10)),
+                         kv_visible=np.ones(80, bool), causal_pos=40)]
+    batch = build_segment_batch(specs, page_size=ps, block_q=4)
+    plan = plan_lib.plan_pages(batch, plan_lib.blocks_of(batch), page_size=ps,
+                               sliding_window=20)
+    # Rows see slots 21..40 (first row) up to 24..43 (last row): pages 2..5.
+    assert int(plan.lo[0]) == 2 and int(plan.hi[0]) == 6
+
+
+# ------------------------------------------------------------------------------ dispatch
+
+
+def test_resolve_backend():
+    assert resolve_backend("auto", "cpu") == ("reference", False)
+    assert resolve_backend("auto", "gpu") == ("gpu", False)
+    assert resolve_backend("auto", "tpu") == ("tpu", False)
+    assert resolve_backend("pallas", "cpu") == ("gpu", True)
+    assert resolve_backend("pallas", "tpu") == ("tpu", False)
+    assert resolve_backend("reference", "gpu") == ("reference", False)
+    with pytest.raises(ValueError):
+        resolve_backend("triton", "cpu")
+
+
+def test_dispatch_pallas_on_cpu_runs_the_kernel():
+    case = make("restore", page_size=16)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(5), num_kv_heads=2, group=3, head_dim=16
+    )
+    ref_fn = make_attention_fn("auto", block_q=case.block_q, sm_scale=0.25)
+    assert isinstance(ref_fn, functools.partial) and ref_fn.func is segment_attention_reference
+    ker_fn = make_attention_fn("pallas", block_q=case.block_q, sm_scale=0.25)
+    _assert_close(ker_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)
+
+
+# --------------------------------------------------------------------------------- model
+
+
+def test_model_greedy_with_pallas_backend():
+    """The tiny model decodes the same tokens, with the same prompt logits, on the kernel."""
+    cfg = tiny_config()
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size - 1, 45).tolist()
+    logits_ref, toks_ref = greedy_generate(params, cfg, prompt, 5)
+    logits_ker, toks_ker = greedy_generate(params, cfg, prompt, 5, attention_backend="pallas")
+    assert toks_ker == toks_ref
+    np.testing.assert_allclose(logits_ker, logits_ref, atol=1e-5, rtol=1e-5)

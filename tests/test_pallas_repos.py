@@ -1,0 +1,124 @@
+"""Repos kernel (GPU and TPU bodies, interpret mode on the CPU) against ``repos_reference`` and
+against RoPE itself, at positions up to 32k."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from akv_jax.model.config import RopeConfig
+from akv_jax.model.rope import apply_rope, make_rope_table
+from akv_jax.pallas.dispatch import make_repos_fn
+from akv_jax.pallas.reference import repos_reference
+from akv_jax.pallas.repos import repos_pallas
+
+MAX_POS = 32768
+
+
+@functools.lru_cache
+def table(head_dim: int):
+    return make_rope_table(RopeConfig(theta=500000.0), head_dim, MAX_POS)
+
+
+def pool(rng, P, ps, Hkv, Dh, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal((P, ps, Hkv, Dh), np.float32), dtype)
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def run(body, k, pages, old, new, tab):
+    return repos_pallas(k, jnp.asarray(pages, jnp.int32), jnp.asarray(old, jnp.int32),
+                        jnp.asarray(new, jnp.int32), tab, body=body, interpret=True)
+
+
+# (body, dtype, page_size, head_dim)
+CASES = [
+    ("gpu", jnp.float32, 16, 16),
+    ("gpu", jnp.bfloat16, 1, 64),
+    ("gpu", jnp.float32, 64, 128),
+    ("tpu", jnp.float32, 16, 24),
+    ("tpu", jnp.bfloat16, 64, 128),
+]
+
+
+@pytest.mark.parametrize("body,dtype,ps,dh", CASES,
+                         ids=[f"{b}-{jnp.dtype(d).name}-ps{p}-d{h}" for b, d, p, h in CASES])
+def test_repos_matches_reference_and_leaves_other_pages(body, dtype, ps, dh):
+    rng = np.random.default_rng(0)
+    P, Hkv = 9, 3
+    k = pool(rng, P, ps, Hkv, dh, dtype)
+    pages = np.array([5, 0, 7, P, P + 3])  # the last two are padding
+    old = rng.integers(0, MAX_POS, (5, ps))
+    new = rng.integers(0, MAX_POS, (5, ps))
+    tab = table(dh)
+    got = run(body, k, pages, old, new, tab)
+    want = repos_reference(k, jnp.asarray(pages), jnp.asarray(old), jnp.asarray(new), tab)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+    untouched = [p for p in range(P) if p not in pages]
+    np.testing.assert_array_equal(_bits(got[np.array(untouched)]), _bits(k[np.array(untouched)]))
+    assert not np.array_equal(_bits(got[5]), _bits(k[5]))  # a listed page did change
+
+
+@pytest.mark.parametrize("body", ["gpu", "tpu"])
+def test_repos_rope_identities(body):
+    """Delta 0 is the identity; two shifts compose; rotate(rope(k, p), p -> q) == rope(k, q)."""
+    rng = np.random.default_rng(1)
+    P, ps, Hkv, dh = 6, 16, 2, 32
+    tab = table(dh)
+    raw = pool(rng, P, ps, Hkv, dh)
+    pages = np.array([4, 1, 2])
+    p0 = rng.integers(0, MAX_POS, (3, ps))
+    p1 = rng.integers(0, MAX_POS, (3, ps))
+    p2 = np.concatenate([np.arange(ps)[None], rng.integers(0, MAX_POS, (2, ps))])  # 0.. too
+
+    def rope_pages(positions):
+        # Keys of the listed pages rotated to `positions`; other pages stay raw.
+        x = raw[pages].reshape(-1, Hkv, dh)
+        rot = apply_rope(x, jnp.asarray(positions.reshape(-1)), tab).reshape(3, ps, Hkv, dh)
+        return raw.at[pages].set(rot)
+
+    k0 = rope_pages(p0)
+    same = run(body, k0, pages, p0, p0, tab)
+    np.testing.assert_allclose(np.asarray(same), np.asarray(k0), atol=1e-6, rtol=1e-6)
+
+    via = run(body, run(body, k0, pages, p0, p1, tab), pages, p1, p2, tab)
+    direct = run(body, k0, pages, p0, p2, tab)
+    np.testing.assert_allclose(np.asarray(via), np.asarray(direct), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(direct), np.asarray(rope_pages(p2)), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_repos_donated_in_place_and_v_untouched():
+    """Under jit with the pool donated, the kernel updates K in place; V is never an input."""
+    rng = np.random.default_rng(2)
+    P, ps, Hkv, dh = 5, 16, 2, 16
+    tab = table(dh)
+    k, v = pool(rng, P, ps, Hkv, dh), pool(rng, P, ps, Hkv, dh)
+    v_bits = _bits(v).copy()
+    pages = jnp.asarray([3, 1], jnp.int32)
+    old = jnp.asarray(rng.integers(0, MAX_POS, (2, ps)), jnp.int32)
+    new = jnp.asarray(rng.integers(0, MAX_POS, (2, ps)), jnp.int32)
+    want = repos_reference(k, pages, old, new, tab)
+    repos = make_repos_fn("pallas")  # CPU: the GPU body in interpret mode
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(k, v):
+        return repos(k, pages, old, new, tab), v
+
+    k_new, v_out = step(k, v)
+    np.testing.assert_allclose(np.asarray(k_new), np.asarray(want), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(_bits(v_out), v_bits)
+
+
+def test_make_repos_fn_auto_is_reference_on_cpu():
+    assert make_repos_fn("auto") is repos_reference
+    assert make_repos_fn("reference") is repos_reference
