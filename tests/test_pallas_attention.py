@@ -283,3 +283,38 @@ def test_model_greedy_with_pallas_backend():
     logits_ker, toks_ker = greedy_generate(params, cfg, prompt, 5, attention_backend="pallas")
     assert toks_ker == toks_ref
     np.testing.assert_allclose(logits_ker, logits_ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------- chunked jnp path (CPU auto backend)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "restore", "long"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_chunked_matches_reference(kind, page_size):
+    from akv_jax.pallas.chunked import segment_attention_chunked
+
+    case = make(kind, page_size=page_size)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(2), num_kv_heads=2, group=4, head_dim=16
+    )
+    scale = 16**-0.5
+    want = segment_attention_reference(q, k, v, batch, block_q=case.block_q, sm_scale=scale)
+    got = segment_attention_chunked(
+        q, k, v, batch, block_q=case.block_q, sm_scale=scale, pages_per_chunk=3
+    )
+    _assert_close(got, want, jnp.float32)
+
+
+def test_chunked_sinks_and_window_match_oracle():
+    from akv_jax.pallas.chunked import segment_attention_chunked
+
+    case = make("restore", page_size=16)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(1), num_kv_heads=2, group=3, head_dim=16
+    )
+    sinks = jnp.linspace(-1.0, 2.0, 6)
+    got = segment_attention_chunked(
+        q, k, v, batch, block_q=case.block_q, sm_scale=0.25, sinks=sinks, sliding_window=33
+    )
+    want = dense_oracle(q, k, v, case.specs, 16, 0.25, sinks=sinks, window=33)
+    _assert_close(got, want, jnp.float32)

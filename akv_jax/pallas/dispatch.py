@@ -5,8 +5,9 @@
 * ``"reference"``: the jnp references (any platform);
 * ``"pallas"``: the kernel for the platform (GPU: Triton body, TPU: Mosaic body); on the CPU
   the GPU body in interpret mode (slow, for tests: it runs the kernel's own code);
-* ``"auto"``: the kernel on GPU and TPU, the reference on the CPU, and the reference for a
-  shape a kernel body cannot take (e.g. a page size that is not a power of two on the GPU).
+* ``"auto"``: the kernel on GPU and TPU; on the CPU the chunked jnp attention (chunked.py:
+  the reference's semantics, reading only visible pages); the reference for a shape a kernel
+  body cannot take (e.g. a page size that is not a power of two on the GPU).
 
 The returned callables have the shapes :mod:`akv_jax.model.forward` expects:
 ``attention(q, k_pages, v_pages, batch)`` and
@@ -22,6 +23,7 @@ from typing import Any
 import jax
 
 from akv_jax.pallas import repos as repos_lib
+from akv_jax.pallas.chunked import segment_attention_chunked
 from akv_jax.pallas.metadata import SegmentBatch
 from akv_jax.pallas.reference import repos_reference, segment_attention_reference
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
@@ -70,6 +72,10 @@ def make_attention_fn(
     common = dict(block_q=block_q, sm_scale=sm_scale, sinks=sinks, sliding_window=sliding_window)
     reference = functools.partial(segment_attention_reference, **common)
     if impl == "reference":
+        if backend == "auto":
+            # No Pallas lowering on this platform: the jnp path whose work follows the
+            # visible KV (same semantics as the reference, which scores whole views).
+            return functools.partial(segment_attention_chunked, **common)
         return reference
     body = segment_attention_gpu if impl == "gpu" else segment_attention_tpu
     kernel = functools.partial(body, interpret=interpret, **common, **kernel_options)
