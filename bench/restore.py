@@ -55,20 +55,25 @@ def agent_history(rng: np.random.Generator, n: int = 24):
     return segs, parse_history({"drop": drops, "reposition": [11, 19]}, n)
 
 
-def median_time(fn, runs: int) -> float:
-    fn()  # compile / warm
-    times = []
+def median_times(fns: dict, runs: int) -> dict[str, float]:
+    """Median wall time of each function; runs are interleaved round-robin so that a noisy
+    neighbour on this shared machine slows every contender alike."""
+    for fn in fns.values():
+        fn()  # compile / warm
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--block-q", type=int, default=32)
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
     ap.add_argument("--out", default="bench/results/restore.json")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -76,11 +81,19 @@ def main() -> None:
     T = sum(map(len, segs))
     capacity = ((T + 255) // 256) * 256
     params = seeded_params(SMALL, 0)
-    ops = CacheOps(SMALL, block_q=args.block_q)
+    ops = CacheOps(SMALL, backend=args.backend, block_q=args.block_q)
     flat = [t for s in segs for t in s]
 
     def one_pass():
-        lg, st = restore(params, SMALL, segs, hist, max_tokens=capacity, block_q=args.block_q)
+        lg, st = restore(
+            params,
+            SMALL,
+            segs,
+            hist,
+            max_tokens=capacity,
+            block_q=args.block_q,
+            backend=args.backend,
+        )
         jax.block_until_ready((lg, st))
 
     def op_by_op():
@@ -89,13 +102,18 @@ def main() -> None:
 
     def plain():
         lg, st = restore(
-            params, SMALL, [flat], OpHistory.empty(1), max_tokens=capacity, block_q=args.block_q
+            params,
+            SMALL,
+            [flat],
+            OpHistory.empty(1),
+            max_tokens=capacity,
+            block_q=args.block_q,
+            backend=args.backend,
         )
         jax.block_until_ready((lg, st))
 
-    t_one = median_time(one_pass, args.runs)
-    t_ops = median_time(op_by_op, args.runs)
-    t_plain = median_time(plain, args.runs)
+    med = median_times(dict(one_pass=one_pass, op_by_op=op_by_op, plain=plain), args.runs)
+    t_one, t_ops, t_plain = med["one_pass"], med["op_by_op"], med["plain"]
     result = dict(
         model=dataclasses.asdict(SMALL),
         tokens=T,
@@ -103,6 +121,7 @@ def main() -> None:
         drops=sum(len(v) for v in hist.drops.values()),
         repositions=len(hist.repos),
         block_q=args.block_q,
+        attention_backend=args.backend,
         runs=args.runs,
         backend=jax.default_backend(),
         median_s=dict(one_pass=t_one, op_by_op=t_ops, plain_prefill=t_plain),
