@@ -14,6 +14,8 @@ import pytest
 from test_engine_exact import check, random_requests, run
 
 from akv_jax.cache.dense_reference import DenseModel
+from akv_jax.cache.ops import parse_history
+from akv_jax.cache.timeline import timeline
 from akv_jax.model.config import ModelConfig, RopeConfig
 from akv_jax.model.params import seeded_params
 from akv_jax.serving.engine import Engine
@@ -49,7 +51,7 @@ def test_tp_degrees_agree():
             model, max_total_tokens=2048, page_size=8, attention_backend="reference", tp=tp
         )
         if tp > 1:
-            spec = eng.kv.k.sharding.spec
+            spec = eng.prefill.kv.k.sharding.spec
             assert spec[3] == "tensor", spec  # the KV pool really is split over kv heads
         results[tp] = run(eng, reqs, concurrent=True)
     dm = DenseModel(model.params, CFG)
@@ -57,4 +59,38 @@ def test_tp_degrees_agree():
     for tp in (2, 4, 8):
         assert [r[0] for r in results[tp]] == [r[0] for r in results[1]], tp
         for a, b in zip(results[tp], results[1], strict=True):
+            np.testing.assert_allclose(a[1], b[1], atol=1e-4)
+
+
+def test_disaggregated_matches_colocated():
+    """--disaggregate 4,4: prefill (and restores) on devices 0-3, decode on 4-7, KV pages
+    handed over; the same tokens and log-probs as colocated serving, also under eviction."""
+    if jax.device_count() < 8:
+        pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
+    model = SimpleNamespace(cfg=CFG, params=seeded_params(CFG, 6), tokenizer=None)
+    reqs = random_requests(np.random.default_rng(6), 12, vocab=CFG.vocab_size)
+    colo = Engine(model, max_total_tokens=2048, page_size=8, attention_backend="reference")
+    want = run(colo, reqs, concurrent=True)
+    need = max(
+        colo._pages_bound(timeline([len(x) for x in segs], parse_history(c, len(segs))), 4)
+        for segs, c in reqs
+    )
+    small = 8 * need  # a pool that holds just the largest request: evictions and restores
+    for tokens in (2048, small):
+        dis = Engine(
+            model,
+            max_total_tokens=tokens,
+            page_size=8,
+            attention_backend="reference",
+            disaggregate=(4, 4),
+        )
+        assert dis.prefill is not dis.decode
+        prefill_devs = {d.id for d in dis.prefill.kv.k.devices()}
+        decode_devs = {d.id for d in dis.decode.kv.k.devices()}
+        assert prefill_devs == {0, 1, 2, 3} and decode_devs == {4, 5, 6, 7}
+        got = run(dis, reqs, concurrent=tokens != small)
+        if tokens == small:
+            assert dis.tree.evictions > 0 and dis.counters["restores"] > 0
+        assert [g[0] for g in got] == [w[0] for w in want]
+        for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a[1], b[1], atol=1e-4)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import queue
 import threading
@@ -33,15 +32,14 @@ from collections.abc import AsyncIterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from akv_jax.cache.core import attention_fn
 from akv_jax.cache.ops import CacheOpError, OpHistory
 from akv_jax.cache.timeline import Timeline, timeline
-from akv_jax.model.forward import KVPool, KVWrites, forward
-from akv_jax.model.params import logical_to_spec, make_mesh, shard_params
-from akv_jax.model.rope import rerotate, rope_table_for
+from akv_jax.model.forward import KVWrites
+from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
+from akv_jax.serving.device_group import DeviceGroup, transfer_pages
 from akv_jax.serving.page_pool import PagePool
 from akv_jax.serving.radix import Node, RadixTree
 
@@ -128,6 +126,7 @@ class _Pass:
     segments: list[SegmentSpec] = dataclasses.field(default_factory=list)
     copies: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
     logits_row: int = -1
+    written_pages: list[int] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -142,29 +141,35 @@ class Engine:
         prefill_chunk: int = 4096,
         kv_dtype=None,
         tp: int = 1,
+        disaggregate: tuple[int, int] | None = None,
         devices=None,
     ):
+        """``tp``: tensor-parallel degree of the (colocated) device group.
+        ``disaggregate=(P, D)``: prefill and restores on the first P devices, decode on the
+        next D (each group tensor-parallel over its devices), KV pages handed between them."""
         self.cfg = model.cfg
-        self.params = model.params
-        self.mesh = None
-        if tp > 1:
-            # Tensor parallel: params and the KV pool carry named shardings over a
-            # ("data", "tensor") mesh; jit (GSPMD) partitions every step accordingly.
-            devices = list(devices if devices is not None else jax.devices())[:tp]
-            if len(devices) < tp:
-                raise ValueError(f"--tp {tp} needs {tp} devices, found {len(devices)}")
-            self.mesh = make_mesh(tp, devices)
-            self.params = shard_params(self.params, self.cfg, self.mesh)
         tok = getattr(model, "tokenizer", None)
         self.eos_ids = set(model.cfg.eos_token_ids) | set(getattr(tok, "eos_ids", ()) or ())
         self.page_size = page_size
         self.num_pages = max(2, -(-max_total_tokens // page_size))
-        dtype = kv_dtype or self.params.embed.dtype
-        self.kv = KVPool.zeros(self.cfg, self.num_pages, page_size, dtype)
-        if self.mesh is not None:
-            axes = ("layer", "page", "slot", "kv_heads", "head_dim")
-            spec = logical_to_spec(axes, self.kv.k.shape, self.mesh)
-            self.kv = jax.device_put(self.kv, NamedSharding(self.mesh, spec))
+        dtype = kv_dtype or model.params.embed.dtype
+        devices = list(devices if devices is not None else jax.devices())
+
+        def group(devs):
+            return DeviceGroup(self.cfg, model.params, self.num_pages, page_size, dtype, devs)
+
+        if disaggregate is not None:
+            n_p, n_d = disaggregate
+            if n_p < 1 or n_d < 1 or n_p + n_d > len(devices):
+                raise ValueError(
+                    f"--disaggregate {n_p},{n_d} needs {n_p + n_d} devices, found {len(devices)}"
+                )
+            self.prefill = group(devices[:n_p])
+            self.decode = group(devices[n_p : n_p + n_d])
+        else:
+            if tp > len(devices):
+                raise ValueError(f"--tp {tp} needs {tp} devices, found {len(devices)}")
+            self.prefill = self.decode = group(devices[:tp] if tp > 1 else None)
         self.pool = PagePool(self.num_pages)
         self.tree = RadixTree(self.pool, page_size)
         self.rope = rope_table_for(self.cfg)
@@ -385,7 +390,9 @@ class Engine:
         for n in path:
             if n.id in compute:
                 n.busy_step = self._step_id
-        return self._lay_out(r, path, compute)
+        p = self._lay_out(r, path, compute)
+        p.written_pages = [pg for n in path if n.id in compute for pg in n.pages]
+        return p
 
     def _lay_out(self, r: _Request, path: list[Node], compute: set[int]) -> _Pass:
         tl, ps = r.tl, self.page_size
@@ -490,7 +497,20 @@ class Engine:
         work = passes + decode_pass
         if not work:
             return events
-        logits = self._run(work, block_q=16 if passes else 1)
+        if self.prefill is self.decode:  # colocated: one mixed forward
+            logits = self._run(self.prefill, work, block_q=16 if passes else 1)
+        else:
+            # Disaggregated: prefill on its group, hand its pages over, decode on the other;
+            # both forwards are dispatched before either result is read, so they overlap.
+            parts = []
+            if passes:
+                parts.append(self._run(self.prefill, passes, block_q=16))
+                written = [pg for _, p in passes for pg in p.written_pages]
+                transfer_pages(self.prefill, self.decode, written)
+            if decode_pass:
+                parts.append(self._run(self.decode, decode_pass, block_q=1))
+            logits = [row for part in parts for row in np.asarray(part)]
+        logits = [np.asarray(row) for row in logits]
         for (r, _), row in zip(work, logits, strict=True):
             if r.status == "waiting":
                 r.status = "decode"
@@ -530,7 +550,8 @@ class Engine:
         )
         return p
 
-    def _run(self, work: list[tuple[_Request, _Pass]], block_q: int) -> np.ndarray:
+    def _run(self, group: DeviceGroup, work: list[tuple[_Request, _Pass]], block_q: int):
+        """Dispatch one forward over ``work`` on ``group``; returns its logits rows (lazy)."""
         ps = self.page_size
         tokens, q_pos, writes, segs, copies, rows = [], [], [], [], [], []
         for _, p in work:
@@ -542,7 +563,7 @@ class Engine:
             copies += p.copies
             rows.append(off + p.logits_row)
         if copies:
-            self._copy(copies)
+            group.rerotate_copy(copies, self.rope)
         # Generous minimum buckets: a handful of compiled programs serve every step.
         T = bucket(len(tokens), max(block_q, 8 if block_q == 1 else 64))
         W = bucket(max(len(w) for w in writes), 1 if block_q == 1 else 4)
@@ -567,26 +588,11 @@ class Engine:
         )
         row_arr = np.zeros(bucket(len(rows), 8), np.int32)
         row_arr[: len(rows)] = rows
-        logits, self.kv = _forward_step(
-            self.params,
-            self.cfg,
-            jnp.asarray(tok_arr),
-            jnp.asarray(qp),
-            self.kv,
-            KVWrites(slots=jnp.asarray(slot_arr), positions=jnp.asarray(pos_arr)),
-            batch,
-            self.rope,
-            self._attn[block_q],
-            jnp.asarray(row_arr),
+        writes_arr = KVWrites(slots=jnp.asarray(slot_arr), positions=jnp.asarray(pos_arr))
+        logits = group.forward(
+            tok_arr, qp, writes_arr, batch, self.rope, self._attn[block_q], row_arr
         )
-        return np.asarray(logits)[: len(rows)]
-
-    def _copy(self, copies: list[tuple[int, int, int, int]]) -> None:
-        n = bucket(len(copies), 8)
-        arr = np.zeros((4, n), np.int32)
-        arr[1] = self.num_pages * self.page_size  # padding copies write out of range
-        arr[:, : len(copies)] = np.asarray(copies, np.int32).T
-        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), self.rope)
+        return logits[: len(rows)]
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, r: _Request, logits: np.ndarray) -> list[TokenEvent]:
@@ -646,6 +652,7 @@ class Engine:
         r.gen_pages = []
         if insert and fed and r.prompt_last_node is not None:
             keep = -(-len(fed) // self.page_size)
+            transfer_pages(self.decode, self.prefill, pages[:keep])
             node = self.tree.add_child(
                 r.prompt_last_node, tuple(fed), "tokens", tok_start=r.tl.num_tokens
             )
@@ -674,23 +681,6 @@ def _slots(pages: list[int], n: int, page_size: int) -> list[int]:
 def _logsumexp(x: np.ndarray) -> float:
     m = np.max(x)
     return float(m + np.log(np.sum(np.exp(x - m))))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "attention"), donate_argnums=(4,))
-def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows):
-    return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope) -> KVPool:
-    """Copy keys (re-rotated old_pos -> new_pos) and values from slots ``src`` to ``dst``."""
-    L, P, ps, H, D = kv.k.shape
-    k = kv.k.reshape(L, P * ps, H, D)
-    v = kv.v.reshape(L, P * ps, H, D)
-    k_src = jax.vmap(lambda kl: rerotate(kl[src], old_pos, new_pos, rope))(k)
-    k = k.at[:, dst].set(k_src.astype(k.dtype), mode="drop")
-    v = v.at[:, dst].set(v[:, src], mode="drop")
-    return KVPool(k=k.reshape(kv.k.shape), v=v.reshape(kv.v.shape))
 
 
 class AsyncEngine:

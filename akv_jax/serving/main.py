@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size in tokens")
     p.add_argument("--page-size", type=_positive("--page-size"), default=16)
     p.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel degree")
+    p.add_argument("--disaggregate", type=_pair, default=None, metavar="P,D",
+                   help="prefill on the first P devices, decode on the next D")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--max-running-requests", type=_positive("--max-running-requests"),
@@ -84,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not compile the forward pass with a dummy request before serving")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P,D (two integers), got {text!r}") from None
+    if a < 1 or b < 1:
+        raise argparse.ArgumentTypeError(f"P and D must be at least 1, got {text!r}")
+    return a, b
 
 
 def served_name(model_path: str | None) -> str:
@@ -138,6 +150,17 @@ def check_args(args: argparse.Namespace) -> None:
             raise StartupError(
                 f"--tp {args.tp}: only {jax.device_count()} devices available", EXIT_USAGE
             )
+    if args.disaggregate is not None:
+        import jax
+
+        need = sum(args.disaggregate)
+        if args.tp > 1:
+            raise StartupError("--tp and --disaggregate do not combine (each group is "
+                               "tensor-parallel over its own devices)", EXIT_USAGE)
+        if jax.device_count() < need:
+            raise StartupError(f"--disaggregate {args.disaggregate[0]},{args.disaggregate[1]}: "
+                               f"needs {need} devices, {jax.device_count()} available",
+                               EXIT_USAGE)
     if args.max_total_tokens < args.page_size:
         raise StartupError(
             f"--max-total-tokens {args.max_total_tokens} is smaller than one page "
@@ -167,6 +190,7 @@ def build_server(args: argparse.Namespace, sock: socket.socket) -> ReadyServer:
             max_running=args.max_running_requests,
             prefill_chunk=args.prefill_chunk,
             tp=args.tp,
+            disaggregate=args.disaggregate,
         )
         if not args.skip_warmup:
             warmup(engine)

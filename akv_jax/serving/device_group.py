@@ -1,0 +1,132 @@
+"""The device side of the engine: one group of devices holding params and a KV pool.
+
+Colocated serving uses one group (one device, or a ``("data", "tensor")`` mesh for
+``--tp``). Disaggregated serving (``--disaggregate P,D``) uses two: prefill (and restores) run
+on the first, decode on the second, and the pages each writes are handed to the other
+(:func:`transfer_pages`) before anyone there reads them. Both pools use the same page ids,
+so the host-side page pool and radix tree stay single.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from akv_jax.model.config import ModelConfig
+from akv_jax.model.forward import KVPool, KVWrites, forward
+from akv_jax.model.params import Params, logical_to_spec, make_mesh, shard_params
+from akv_jax.model.rope import RopeTable, rerotate
+from akv_jax.pallas.metadata import SegmentBatch, bucket
+
+KV_AXES = ("layer", "page", "slot", "kv_heads", "head_dim")
+
+
+class DeviceGroup:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        num_pages: int,
+        page_size: int,
+        dtype,
+        devices: list | None = None,
+    ):
+        """``devices``: None for the default device; else a tensor-parallel mesh over them."""
+        self.cfg = cfg
+        self.mesh = None
+        self.kv_sharding = None
+        kv = KVPool.zeros(cfg, num_pages, page_size, dtype)
+        if devices is not None:
+            # Params and the KV pool carry named shardings; jit (GSPMD) partitions each step.
+            self.mesh = make_mesh(len(devices), devices)
+            params = shard_params(params, cfg, self.mesh)
+            spec = logical_to_spec(KV_AXES, kv.k.shape, self.mesh)
+            self.kv_sharding = NamedSharding(self.mesh, spec)
+            kv = jax.device_put(kv, self.kv_sharding)
+        self.params = params
+        self.kv = kv
+
+    def forward(
+        self,
+        tokens: np.ndarray,
+        q_pos: np.ndarray,
+        writes: KVWrites,
+        batch: SegmentBatch,
+        rope: RopeTable,
+        attention,
+        rows: np.ndarray,
+    ) -> jax.Array:
+        """Run one step; returns the logits (still on device, so dispatch stays async)."""
+        logits, self.kv = _forward_step(
+            self.params,
+            self.cfg,
+            jnp.asarray(tokens),
+            jnp.asarray(q_pos),
+            self.kv,
+            writes,
+            batch,
+            rope,
+            attention,
+            jnp.asarray(rows),
+        )
+        return logits
+
+    def rerotate_copy(self, copies: list[tuple[int, int, int, int]], rope: RopeTable) -> None:
+        """Copy (src slot, dst slot, old pos, new pos) entries, keys re-rotated."""
+        n = bucket(len(copies), 8)
+        P, ps = self.kv.k.shape[1], self.kv.k.shape[2]
+        arr = np.zeros((4, n), np.int32)
+        arr[1] = P * ps  # padding copies write out of range
+        arr[:, : len(copies)] = np.asarray(copies, np.int32).T
+        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), rope)
+
+
+def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None:
+    """Hand KV pages from one group to the other (same page ids on both sides)."""
+    if not pages or src is dst:
+        return
+    P = src.kv.k.shape[1]
+    n = bucket(len(pages), 8)
+    idx = np.full(n, P, np.int32)
+    idx[: len(pages)] = pages
+    k, v = _gather_pages(src.kv, jnp.asarray(np.minimum(idx, P - 1)))
+    target = dst.kv_sharding
+    if target is not None:
+        k, v = jax.device_put(k, target), jax.device_put(v, target)
+    else:
+        dev = next(iter(dst.kv.k.devices()))
+        k, v = jax.device_put(k, dev), jax.device_put(v, dev)
+    dst.kv = _scatter_pages(dst.kv, jnp.asarray(idx), k, v)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention"), donate_argnums=(4,))
+def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows):
+    return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope) -> KVPool:
+    """Copy keys (re-rotated old_pos -> new_pos) and values from slots ``src`` to ``dst``."""
+    L, P, ps, H, D = kv.k.shape
+    k = kv.k.reshape(L, P * ps, H, D)
+    v = kv.v.reshape(L, P * ps, H, D)
+    k_src = jax.vmap(lambda kl: rerotate(kl[src], old_pos, new_pos, rope))(k)
+    k = k.at[:, dst].set(k_src.astype(k.dtype), mode="drop")
+    v = v.at[:, dst].set(v[:, src], mode="drop")
+    return KVPool(k=k.reshape(kv.k.shape), v=v.reshape(kv.v.shape))
+
+
+@jax.jit
+def _gather_pages(kv: KVPool, pages):
+    return kv.k[:, pages], kv.v[:, pages]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_pages(kv: KVPool, pages, k, v) -> KVPool:
+    return KVPool(
+        k=kv.k.at[:, pages].set(k, mode="drop"), v=kv.v.at[:, pages].set(v, mode="drop")
+    )
