@@ -65,6 +65,9 @@ class ScriptedAsyncEngine:
     def call(self, fn, *args):
         return fn(self.engine, *args)
 
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
+
     async def generate(self, req: GenerateRequest):
         self.engine.check(req)
         first = req.segments[0][0]

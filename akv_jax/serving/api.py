@@ -431,7 +431,7 @@ class _Server:
 
     async def flush_cache(self) -> Response:
         # On the engine thread: the tree and pool are only ever touched there.
-        ok = await asyncio.to_thread(self.async_engine.call, lambda eng: eng.flush_cache())
+        ok = await asyncio.to_thread(self.async_engine.flush_cache)
         if not ok:
             return error_response(
                 409, "cache not flushed: requests are running; retry when idle",

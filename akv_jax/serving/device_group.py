@@ -61,7 +61,7 @@ class DeviceGroup:
         rows: np.ndarray,
     ) -> jax.Array:
         """Run one step; returns the logits (still on device, so dispatch stays async)."""
-        logits, self.kv = _forward_step(
+        logits, kv = _forward_step(
             self.params,
             self.cfg,
             jnp.asarray(tokens),
@@ -73,6 +73,11 @@ class DeviceGroup:
             attention,
             jnp.asarray(rows),
         )
+        self.kv = kv
+        if not logits.is_fully_addressable:  # a mesh over several processes (multi-host)
+            from jax.experimental import multihost_utils
+
+            logits = multihost_utils.process_allgather(logits, tiled=True)
         return logits
 
     def rerotate_copy(self, copies: list[tuple[int, int, int, int]], rope: RopeTable) -> None:

@@ -40,6 +40,7 @@ from akv_jax.model.forward import KVWrites
 from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, transfer_pages
+from akv_jax.serving.multihost import STOP, apply_commands, broadcast_object
 from akv_jax.serving.page_pool import PagePool
 from akv_jax.serving.radix import Node, RadixTree
 
@@ -686,8 +687,11 @@ def _logsumexp(x: np.ndarray) -> float:
 class AsyncEngine:
     """Runs :meth:`Engine.step` on one background thread; requests stream TokenEvents."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, lockstep: bool = False):
+        """``lockstep``: this is process 0 of a multi-host run (see multihost.py): every
+        command and step is broadcast to the follower processes."""
         self.engine = engine
+        self.lockstep = lockstep
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -712,12 +716,25 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def call(self, fn, *args, timeout: float = 120.0):
-        """Run ``fn(engine, *args)`` on the engine thread and wait for its result."""
+        """Run ``fn(engine, *args)`` on the engine thread and wait for its result.
+
+        For inspection only: in a multi-host run it is not replicated to the followers
+        (state changes go through :meth:`call_method`)."""
+        return self._wait("call", (fn, args), timeout)
+
+    def call_method(self, name: str, *args, timeout: float = 120.0):
+        """Run ``engine.<name>(*args)`` on the engine thread (replicated across hosts)."""
+        return self._wait("method", (name, args), timeout)
+
+    def flush_cache(self) -> bool:
+        return self.call_method("flush_cache")
+
+    def _wait(self, kind: str, what: tuple, timeout: float):
         done = threading.Event()
         box: dict = {}
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the engine thread is not running")
-        self._inbox.put(("call", (fn, args, box, done)))
+        self._inbox.put((kind, (*what, box, done)))
         self._wake.set()
         if not done.wait(timeout):
             raise TimeoutError(f"engine did not answer within {timeout} s")
@@ -759,27 +776,48 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         eng = self.engine
+        last_sync = time.monotonic()
         while not self._stop.is_set():
+            commands: list[tuple] = []
+            waiters: list[tuple[int, dict, threading.Event]] = []
             while True:
                 try:
                     kind, payload = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if kind == "add":
-                    try:
-                        eng.add_request(payload)
-                    except Exception as e:  # validation raced with a config change
-                        self._deliver(payload.rid, e)
+                    if self.lockstep and payload.sampling.seed is None:
+                        # Every process samples; they must draw the same numbers.
+                        seed = int(np.random.default_rng().integers(2**31))
+                        sampling = dataclasses.replace(payload.sampling, seed=seed)
+                        payload = dataclasses.replace(payload, sampling=sampling)
+                    commands.append(("add", payload))
                 elif kind == "abort":
-                    eng.abort(payload)
-                elif kind == "call":
+                    commands.append(("abort", payload))
+                elif kind == "method":
+                    name, args, box, done = payload
+                    waiters.append((len(commands), box, done))
+                    commands.append(("method", (name, args)))
+                elif kind == "call":  # read-only inspection, never replicated
                     fn, args, box, done = payload
                     try:
                         box["value"] = fn(eng, *args)
                     except Exception as e:
                         box["error"] = e
                     done.set()
-            if not eng.has_work():
+            results = apply_commands(eng, commands)
+            for (kind, payload), (_, res) in zip(commands, results, strict=True):
+                if kind == "add" and isinstance(res, BaseException):
+                    self._deliver(payload.rid, res)
+            for i, box, done in waiters:
+                res = results[i][1]
+                box["error" if isinstance(res, BaseException) else "value"] = res
+                done.set()
+            do_step = eng.has_work()
+            if self.lockstep and (commands or do_step or time.monotonic() - last_sync > 1.0):
+                broadcast_object((commands, do_step))
+                last_sync = time.monotonic()
+            if not do_step:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
@@ -792,6 +830,8 @@ class AsyncEngine:
                 continue
             for ev in events:
                 self._deliver(ev.rid, ev)
+        if self.lockstep:
+            broadcast_object(STOP)
 
     def next_rid(self) -> str:
         return f"req-{next(self._ids)}"

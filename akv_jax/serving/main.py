@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size in tokens")
     p.add_argument("--page-size", type=_positive("--page-size"), default=16)
     p.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel degree")
+    p.add_argument("--dist-coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-host: jax.distributed coordinator address (process 0's)")
+    p.add_argument("--num-processes", type=_positive("--num-processes"), default=1,
+                   help="multi-host: number of processes")
+    p.add_argument("--process-id", type=int, default=0,
+                   help="multi-host: this process's id (0 serves HTTP, the others follow)")
     p.add_argument("--disaggregate", type=_pair, default=None, metavar="P,D",
                    help="prefill on the first P devices, decode on the next D")
     p.add_argument("--api-key", default=None,
@@ -141,6 +147,22 @@ def warmup(engine) -> None:
     engine.flush_cache()
 
 
+def init_distributed(args: argparse.Namespace) -> None:
+    """jax.distributed.initialize, before anything touches a device."""
+    if not args.dist_coordinator:
+        raise StartupError("--num-processes > 1 needs --dist-coordinator HOST:PORT", EXIT_USAGE)
+    if not 0 <= args.process_id < args.num_processes:
+        raise StartupError(
+            f"--process-id {args.process_id} not in [0, {args.num_processes})", EXIT_USAGE
+        )
+    from akv_jax.serving.multihost import initialize
+
+    try:
+        initialize(args.dist_coordinator, args.num_processes, args.process_id)
+    except Exception as e:
+        raise StartupError(f"cannot join {args.dist_coordinator}: {e}") from None
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot check on its own."""
     if args.tp > 1:
@@ -168,12 +190,10 @@ def check_args(args: argparse.Namespace) -> None:
         )
 
 
-def build_server(args: argparse.Namespace, sock: socket.socket) -> ReadyServer:
-    """Load the model and build the uvicorn server (StartupError on any failure)."""
+def build_engine(args: argparse.Namespace):
+    """Load the model and start the engine (StartupError on any failure)."""
     from akv_jax.model.loading import load_model
-    from akv_jax.serving.api import create_app
-    from akv_jax.serving.engine import AsyncEngine, Engine
-    from akv_jax.serving.protocol import Limits
+    from akv_jax.serving.engine import Engine
 
     what = args.model_path or "the default model"
     try:
@@ -193,14 +213,25 @@ def build_server(args: argparse.Namespace, sock: socket.socket) -> ReadyServer:
             disaggregate=args.disaggregate,
         )
         if not args.skip_warmup:
-            warmup(engine)
+            warmup(engine)  # every process of a multi-host run warms up alike, in step
     except Exception as e:
         log.debug("engine start failed", exc_info=True)
         raise StartupError(f"cannot start the engine for {what}: {e}") from None
+    return model, engine
+
+
+def build_server(
+    args: argparse.Namespace, sock: socket.socket, model, engine, lockstep: bool = False
+) -> ReadyServer:
+    """The uvicorn server around a started engine."""
+    from akv_jax.serving.api import create_app
+    from akv_jax.serving.engine import AsyncEngine
+    from akv_jax.serving.protocol import Limits
+
     name = args.served_model_name or served_name(args.model_path)
     limits = Limits(max_new_tokens=args.max_new_tokens_limit)
     app = create_app(
-        AsyncEngine(engine), name, model.tokenizer, args.api_key, limits,
+        AsyncEngine(engine, lockstep=lockstep), name, model.tokenizer, args.api_key, limits,
         vocab_size=model.cfg.vocab_size,
         max_position=model.cfg.max_position_embeddings,
         stop_ids=model.stop_ids,
@@ -230,10 +261,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    multi = args.num_processes > 1
     try:
+        if multi:
+            init_distributed(args)
         check_args(args)
+        if multi and args.process_id != 0:
+            from akv_jax.serving.multihost import follower_loop
+
+            _, engine = build_engine(args)
+            follower_loop(engine)  # returns when process 0 shuts down
+            return 0
         sock = bind_socket(args.host, args.port)
-        server = build_server(args, sock)
+        model, engine = build_engine(args)
+        server = build_server(args, sock, model, engine, lockstep=multi)
     except StartupError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.code
