@@ -55,6 +55,11 @@ class Timeline:
         segs = self.token_seg[:end]
         return self.drop_boundary[segs] >= s
 
+    def active_after(self, b: int) -> np.ndarray:
+        """Indices of the tokens still active after boundary ``b``'s drops, in order."""
+        toks = np.arange(int(self.seg_start[b + 1]))
+        return toks[self.drop_boundary[self.token_seg[toks]] > b]
+
     def segment_tokens(self, s: int) -> slice:
         return slice(int(self.seg_start[s]), int(self.seg_start[s + 1]))
 

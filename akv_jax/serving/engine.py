@@ -76,21 +76,25 @@ class TokenEvent:
 
 
 def request_keys(segments: Sequence[Sequence[int]], history: OpHistory):
-    """Radix keys of a request, and the absolute token index of each key (-1 for ops)."""
+    """Radix keys of a request; for each key its absolute token index (-1 for an op) and
+    its boundary (the segment an op follows; -1 for a token)."""
     keys: list = []
     tok_index: list[int] = []
+    boundary: list[int] = []
     starts = np.concatenate([[0], np.cumsum([len(s) for s in segments])]).tolist()
     for s, seg in enumerate(segments):
         keys.extend(int(t) for t in seg)
         tok_index.extend(range(starts[s], starts[s + 1]))
+        boundary.extend([-1] * len(seg))
+        ops = []
         if history.drops_at(s):
-            ranges = tuple((starts[i], starts[i + 1]) for i in history.drops_at(s))
-            keys.append(("drop", ranges))
-            tok_index.append(-1)
+            ops.append(("drop", tuple((starts[i], starts[i + 1]) for i in history.drops_at(s))))
         if history.repos_at(s):
-            keys.append(("repos",))
-            tok_index.append(-1)
-    return keys, tok_index
+            ops.append(("repos",))
+        keys.extend(ops)
+        tok_index.extend([-1] * len(ops))
+        boundary.extend([s] * len(ops))
+    return keys, tok_index, boundary
 
 
 @dataclasses.dataclass
@@ -99,6 +103,7 @@ class _Request:
     tl: Timeline
     keys: list
     tok_index: list[int]
+    key_boundary: list[int]
     arrival: float
     status: str = "waiting"  # waiting | decode | done
     last_node: Node | None = None
@@ -230,8 +235,8 @@ class Engine:
 
     def add_request(self, req: GenerateRequest) -> None:
         tl = self.check(req)
-        keys, tok_index = request_keys(req.segments, req.history)
-        r = _Request(req, tl, keys, tok_index, time.monotonic())
+        keys, tok_index, boundary = request_keys(req.segments, req.history)
+        r = _Request(req, tl, keys, tok_index, boundary, time.monotonic())
         if req.sampling.seed is not None:
             r.rng = np.random.default_rng(req.sampling.seed)
         else:
@@ -307,13 +312,8 @@ class Engine:
                 i = j
             else:
                 node = self.tree.add_child(parent, (k,), k[0])
-                if k[0] == "repos":
-                    b = int(tl.token_seg[r.tok_index[i - 1 - _ops_before(r.keys, i)]])
-                    end = int(tl.seg_start[b + 1])
-                    toks = np.arange(end)
-                    node.held_tokens = tuple(
-                        int(t) for t in toks[tl.drop_boundary[tl.token_seg[toks]] > b]
-                    )
+                if k[0] == "repos":  # it will hold copies of the tokens active there
+                    node.held_tokens = tuple(tl.active_after(r.key_boundary[i]).tolist())
                 i += 1
             fresh.add(node.id)
             path.append(node)
@@ -665,14 +665,6 @@ class Engine:
             self.tree.unlock(r.last_node)
             r.last_node = None
         r.status = "done"
-
-
-def _ops_before(keys: list, i: int) -> int:
-    """How many op items sit directly before index ``i`` (between it and the last token)."""
-    n = 0
-    while i - 1 - n >= 0 and not isinstance(keys[i - 1 - n], int):
-        n += 1
-    return n
 
 
 def _slots(pages: list[int], n: int, page_size: int) -> list[int]:
