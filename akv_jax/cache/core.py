@@ -199,7 +199,7 @@ class CacheOps:
 
     def pad_segment(self, tokens: Sequence[int]) -> tuple[jax.Array, int]:
         n = len(tokens)
-        T = bucket(n, self.block_q)
+        T = bucket(n, self.block_q, steps_per_octave=4)
         out = np.zeros(T, np.int32)
         out[:n] = tokens
         return jnp.asarray(out), n
@@ -299,7 +299,7 @@ def plan(
     if T > max_pages * page_size:
         raise ValueError(f"{T} tokens exceed the capacity {max_pages * page_size}")
     E = tl.num_versions - 1
-    t_pad = t_pad if t_pad is not None else bucket(T, block_q)
+    t_pad = t_pad if t_pad is not None else bucket(T, block_q, steps_per_octave=4)
     W = max(num_versions or 0, E + 1)
     if t_pad < T or t_pad % block_q:
         raise ValueError(f"t_pad={t_pad} must be a multiple of {block_q} and >= {T}")

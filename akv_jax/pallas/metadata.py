@@ -61,11 +61,21 @@ class SegmentSpec:
     causal_pos: int  # view index of the segment's first query row
 
 
-def bucket(n: int, minimum: int = 8) -> int:
-    """Next power of two >= n (>= minimum): the padding rule that bounds recompiles."""
+def bucket(n: int, minimum: int = 8, steps_per_octave: int = 1) -> int:
+    """Padded size for ``n``: the padding rule that bounds recompiles.
+
+    With one step per octave, the next power of two times ``minimum`` (>= n). With more,
+    each octave is cut into that many equal steps (rounded to multiples of ``minimum``), so
+    padding wastes at most 1/steps of the work at the cost of a few more compiled shapes.
+    """
     b = minimum
     while b < n:
         b *= 2
+    if steps_per_octave > 1 and b > minimum:
+        lo = b // 2
+        step = max(minimum, lo // steps_per_octave)
+        b = min(b, lo + -(-(n - lo) // step) * step)
+        b = -(-b // minimum) * minimum
     return b
 
 

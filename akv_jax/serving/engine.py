@@ -566,7 +566,7 @@ class Engine:
         if copies:
             group.rerotate_copy(copies, self.rope)
         # Generous minimum buckets: a handful of compiled programs serve every step.
-        T = bucket(len(tokens), max(block_q, 8 if block_q == 1 else 64))
+        T = bucket(len(tokens), max(block_q, 8 if block_q == 1 else 64), steps_per_octave=4)
         W = bucket(max(len(w) for w in writes), 1 if block_q == 1 else 4)
         sentinel = self.num_pages * ps
         slot_arr = np.full((W, T), sentinel, np.int32)
