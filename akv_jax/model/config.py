@@ -150,6 +150,9 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             f"unknown architecture {archs or cfg.get('model_type')!r}; "
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):  # the forward's MLP is SwiGLU
+        raise ConfigError(f"unsupported hidden_act {act!r} (supported: silu)")
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])

@@ -68,7 +68,30 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def _layer(
+def attention_inputs(
+    cfg: ModelConfig, lp: LayerParams, x: jax.Array, q_positions: jax.Array, rope: RopeTable
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The first half of a layer: (q rotated to ``q_positions``, k *unrotated*, v), [T, H, Dh]."""
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    q = jnp.einsum("td,dhk->thk", h, lp.wq)
+    k = jnp.einsum("td,dhk->thk", h, lp.wk)
+    v = jnp.einsum("td,dhk->thk", h, lp.wv)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, q_positions, rope), k, v
+
+
+def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """The second half of a layer: output projection, residual, MLP, residual."""
+    x = x + jnp.einsum("thk,hkd->td", attn.astype(x.dtype), lp.wo)
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    gate = jnp.einsum("td,df->tf", h, lp.w_gate)
+    up = jnp.einsum("td,df->tf", h, lp.w_up)
+    return x + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, lp.w_down)
+
+
+def decoder_layer(
     cfg: ModelConfig,
     lp: LayerParams,
     x: jax.Array,
@@ -79,16 +102,9 @@ def _layer(
     batch: SegmentBatch,
     rope: RopeTable,
     attention: AttentionFn,
-):
-    dtype = x.dtype
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    q = jnp.einsum("td,dhk->thk", h, lp.wq)
-    k = jnp.einsum("td,dhk->thk", h, lp.wk)
-    v = jnp.einsum("td,dhk->thk", h, lp.wv)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-    q = apply_rope(q, q_positions, rope)
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decoder layer on one layer's pool: returns (x, k_pool, v_pool)."""
+    q, k, v = attention_inputs(cfg, lp, x, q_positions, rope)
     P, ps = k_pool.shape[0], k_pool.shape[1]
     k_flat = k_pool.reshape(P * ps, *k_pool.shape[2:])
     v_flat = v_pool.reshape(P * ps, *v_pool.shape[2:])
@@ -97,13 +113,8 @@ def _layer(
         k_flat = k_flat.at[writes.slots[w]].set(kw, mode="drop")
         v_flat = v_flat.at[writes.slots[w]].set(v.astype(v_pool.dtype), mode="drop")
     k_pool, v_pool = k_flat.reshape(k_pool.shape), v_flat.reshape(v_pool.shape)
-    attn = attention(q, k_pool, v_pool, batch).astype(dtype)
-    x = x + jnp.einsum("thk,hkd->td", attn, lp.wo)
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    gate = jnp.einsum("td,df->tf", h, lp.w_gate)
-    up = jnp.einsum("td,df->tf", h, lp.w_up)
-    x = x + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, lp.w_down)
-    return x, k_pool, v_pool
+    attn = attention(q, k_pool, v_pool, batch)
+    return layer_output(cfg, lp, x, attn), k_pool, v_pool
 
 
 def forward(
@@ -128,7 +139,7 @@ def forward(
     def body(carry, layer_in):
         x, k_all, v_all = carry
         lp, idx = layer_in
-        x, k_l, v_l = _layer(
+        x, k_l, v_l = decoder_layer(
             cfg, lp, x, k_all[idx], v_all[idx], q_positions, writes, batch, rope, attention
         )
         k_all = k_all.at[idx].set(k_l)
@@ -140,7 +151,16 @@ def forward(
     )
     if logits_rows is not None:
         x = x[logits_rows]
+    return lm_logits(params, cfg, x), KVPool(k=k_all, v=v_all)
+
+
+def lm_logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final norm and vocabulary projection of hidden states ``x`` [T, D] -> float32 [T, V]."""
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    logits = jnp.einsum("td,dv->tv", x, head, preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32), KVPool(k=k_all, v=v_all)
+    if params.lm_head is None:
+        # Contract against embed [V, D] directly: writing ``embed.T`` makes XLA's CPU backend
+        # copy the whole transposed table on every call (3x slower decode head).
+        logits = jnp.einsum("td,vd->tv", x, params.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("td,dv->tv", x, params.lm_head, preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32)

@@ -138,6 +138,24 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
+def seeded_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Params:
+    """Random params like :func:`init_params`, drawn with numpy from an integer seed.
+
+    Same distributions, but no per-shape XLA compiles (eager ``jax.random`` compiles one
+    program per distinct shape, ~10 s for the tiny model on 2 cores): this is what the
+    ``tiny`` model that servers and tests start from uses.
+    """
+    rng = np.random.default_rng(seed)
+    abstract = Params.abstract(cfg)
+    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_info)
+    out = []
+    for info in leaves:
+        z = rng.standard_normal(info.shape, dtype=np.float32)
+        arr = 1.0 + 0.1 * z if info.init == "ones" else 0.02 * z
+        out.append(jnp.asarray(arr, dtype=dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
 def params_from_arrays(
     cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32
 ) -> Params:

@@ -1,0 +1,55 @@
+"""Convert a Hugging Face safetensors checkpoint or a GGUF file into an akv_jax checkpoint.
+
+    python -m converters.hf_to_jax --hf-dir IN --out OUT [--dtype float32|bfloat16]
+    python -m converters.hf_to_jax --gguf FILE --out OUT [--dtype float32|bfloat16]
+
+OUT receives config.json, an orbax checkpoint of the params (``params/``) and the tokenizer
+files (copied from IN, or rebuilt from the GGUF metadata). Every tensor name and shape is checked
+against the config before any weight is read. Any failure prints one ``error: ...`` line on
+stderr and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from converters.convert import NP_DTYPES, convert_to_checkpoint
+from converters.sources import open_source
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m converters.hf_to_jax", description=__doc__.split("\n")[0]
+    )
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-dir", help="HF checkpoint folder (config.json + *.safetensors)")
+    src.add_argument("--gguf", help="GGUF file (llama or qwen3 architecture)")
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--dtype", choices=sorted(NP_DTYPES), default="float32")
+    ap.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        source = open_source(hf_dir=args.hf_dir, gguf=args.gguf)
+        out = convert_to_checkpoint(
+            source, args.out, args.dtype, overwrite=args.force, progress=not args.quiet
+        )
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 1
+    except Exception as e:  # one line, never a traceback: this is a user-facing tool
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        kind = "" if isinstance(e, ValueError | OSError) else f"{type(e).__name__}: "
+        print(f"error: {kind}{msg}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({source.config.arch}, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The one mapping from Hugging Face tensor names to akv_jax params (and the GGUF renames).
+
+In the style of jax-ml/jax-llm-examples' converters: a table of ``regex -> (param path,
+transform)`` with the layer index taken from the name. HF ``Linear`` weights are stored
+``[out, in]``; akv_jax keeps ``[in, ...out]`` with heads as their own axis, so the transforms
+are transposes and reshapes only (values are never changed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+from akv_jax.model.config import ModelConfig
+
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted (missing/unexpected tensor, wrong shape...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where one HF tensor goes: param ``path``, ``layer`` index (None if not stacked)."""
+
+    path: str
+    layer: int | None
+    hf_shape: tuple[int, ...]
+    transform: Transform
+
+
+def _ident(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w
+
+
+def _t(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w.T
+
+
+def _heads_in(n_heads: Callable[[ModelConfig], int]) -> Transform:
+    # [H*Dh, D] -> [D, H, Dh]
+    return lambda w, cfg: w.T.reshape(cfg.hidden_size, n_heads(cfg), cfg.head_dim)
+
+
+def _heads_out(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    # [D, Hq*Dh] -> [Hq, Dh, D]
+    return w.T.reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size)
+
+
+_Q, _KV = (lambda c: c.num_heads), (lambda c: c.num_kv_heads)
+
+# HF name (regex; group 1 is the layer) -> (akv_jax path, HF shape from the config, transform).
+_RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform]] = [
+    (r"model\.embed_tokens\.weight", "embed", lambda c: (c.vocab_size, c.hidden_size), _ident),
+    (r"model\.norm\.weight", "final_norm", lambda c: (c.hidden_size,), _ident),
+    (r"lm_head\.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), _t),
+    (
+        r"model\.layers\.(\d+)\.input_layernorm\.weight",
+        "layers.attn_norm",
+        lambda c: (c.hidden_size,),
+        _ident,
+    ),
+    (
+        r"model\.layers\.(\d+)\.post_attention_layernorm\.weight",
+        "layers.mlp_norm",
+        lambda c: (c.hidden_size,),
+        _ident,
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight",
+        "layers.wq",
+        lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+        _heads_in(_Q),
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight",
+        "layers.wk",
+        lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+        _heads_in(_KV),
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight",
+        "layers.wv",
+        lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+        _heads_in(_KV),
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight",
+        "layers.wo",
+        lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+        _heads_out,
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight",
+        "layers.q_norm",
+        lambda c: (c.head_dim,),
+        _ident,
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight",
+        "layers.k_norm",
+        lambda c: (c.head_dim,),
+        _ident,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight",
+        "layers.w_gate",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _t,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.up_proj\.weight",
+        "layers.w_up",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _t,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.down_proj\.weight",
+        "layers.w_down",
+        lambda c: (c.hidden_size, c.intermediate_size),
+        _t,
+    ),
+]
+_COMPILED = [(re.compile(pat), path, shape, fn) for pat, path, shape, fn in _RULES]
+
+# Present in some checkpoints, never needed: RoPE buffers are recomputed from the config.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def hf_target(name: str, cfg: ModelConfig) -> Target | None:
+    """Where HF tensor ``name`` goes, or None if it is to be skipped.
+
+    Raises :class:`ConversionError` for a tensor akv_jax has no place for (e.g. biases, or an
+    architecture feature it does not implement), so nothing is silently dropped.
+    """
+    if _IGNORED.fullmatch(name):
+        return None
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None  # some tied checkpoints store the (identical) head anyway
+    for pat, path, shape, fn in _COMPILED:
+        m = pat.fullmatch(name)
+        if m is None:
+            continue
+        if path in ("layers.q_norm", "layers.k_norm") and not cfg.qk_norm:
+            break
+        layer = int(m.group(1)) if m.groups() else None
+        if layer is not None and not 0 <= layer < cfg.num_layers:
+            raise ConversionError(
+                f"tensor {name}: layer {layer} >= num_hidden_layers {cfg.num_layers}"
+            )
+        return Target(path, layer, shape(cfg), fn)
+    raise ConversionError(f"unexpected tensor {name} (not part of a supported {cfg.arch} model)")
+
+
+def hf_name_for(path: str, layer: int | None) -> str:
+    """The HF tensor name that fills param ``path`` (at ``layer``): for error messages."""
+    for pat, p, _, _ in _RULES:
+        if p == path:
+            name = pat.replace(r"(\d+)", str(layer)) if layer is not None else pat
+            return name.replace("\\.", ".")
+    return path
+
+
+# GGUF (llama.cpp) tensor names -> HF names. Llama q/k weights are also row-permuted by
+# llama.cpp's converter; :func:`unpermute_llama_qk` undoes that.
+_GGUF_RENAMES = [
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_q\.weight", r"model.layers.\1.self_attn.q_proj.weight"),
+    (r"blk\.(\d+)\.attn_k\.weight", r"model.layers.\1.self_attn.k_proj.weight"),
+    (r"blk\.(\d+)\.attn_v\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
+    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+]
+_GGUF_COMPILED = [(re.compile(p), r) for p, r in _GGUF_RENAMES]
+
+
+def gguf_to_hf_name(name: str) -> str:
+    for pat, repl in _GGUF_COMPILED:
+        if pat.fullmatch(name):
+            return pat.sub(repl, name)
+    raise ConversionError(f"unexpected GGUF tensor {name}")
+
+
+def unpermute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (transformers' ``_reverse_permute_weights``).
+
+    llama.cpp interleaves the two rotary halves of each head for its RoPE kernel; HF keeps
+    them split. ``n_head`` is the number of heads of *this* projection (kv heads for k).
+    """
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)

@@ -1,0 +1,203 @@
+"""Checkpoint sources: a Hugging Face safetensors folder or a GGUF file, seen the same way.
+
+A :class:`Source` gives the model config, the list of tensors (HF names and shapes, read from
+headers only, so a checkpoint is fully validated before any weight is read), an iterator over
+the weights in HF layout (float arrays, names in HF spelling) and the tokenizer that goes with
+the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from akv_jax.model.config import ConfigError, ModelConfig, config_from_hf
+from akv_jax.model.tokenizer import ChatTokenizer
+from converters.mapping import ConversionError, gguf_to_hf_name, unpermute_llama_qk
+
+# Files copied next to a converted checkpoint when the source folder has them.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclasses.dataclass
+class Source:
+    description: str
+    config: ModelConfig
+    shapes: dict[str, tuple[int, ...]]  # HF name -> shape in HF layout
+    read: Callable[[], Iterator[tuple[str, np.ndarray]]]  # (HF name, array) in file order
+    tokenizer: Callable[[], ChatTokenizer | None]
+    tokenizer_files: list[Path]  # copied verbatim into a converted folder
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def _safetensors_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError):
+            raise ConversionError(f"{index} is not a valid safetensors index") from None
+        files = [d / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.exists():
+                raise ConversionError(f"shard {f.name} listed in {index.name} is missing")
+        return files
+    single = d / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ConversionError(f"no *.safetensors weights in {d}")
+    return files
+
+
+def open_hf_dir(path: str | Path) -> Source:
+    """A Hugging Face checkpoint folder: config.json + model(-0000k-of-0000n).safetensors."""
+    from safetensors import safe_open
+
+    d = Path(path)
+    if not d.is_dir():
+        raise ConversionError(f"checkpoint folder {d} does not exist")
+    cfg_file = d / "config.json"
+    if not cfg_file.exists():
+        raise ConversionError(f"no config.json in {d}")
+    try:
+        cfg = config_from_hf(json.loads(cfg_file.read_text()))
+    except ValueError as e:
+        raise ConversionError(f"{cfg_file}: {e}") from None
+    files = _safetensors_files(d)
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, Path] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="numpy") as h:
+                for k in h.keys():
+                    shapes[k] = tuple(h.get_slice(k).get_shape())
+                    where[k] = f
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ConversionError(f"cannot read {f.name}: {e}") from None
+
+    def read() -> Iterator[tuple[str, np.ndarray]]:
+        for f in files:
+            with safe_open(str(f), framework="numpy") as h:
+                for k in h.keys():
+                    yield k, h.get_tensor(k)
+
+    def tokenizer() -> ChatTokenizer | None:
+        if not (d / "tokenizer.json").exists():
+            return None
+        return ChatTokenizer.from_dir(d, extra_eos_ids=cfg.eos_token_ids)
+
+    tok_files = [d / n for n in TOKENIZER_FILES if (d / n).exists()]
+    return Source(str(d), cfg, shapes, read, tokenizer, tok_files)
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def read_gguf_metadata(reader: Any) -> dict[str, Any]:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The config.json transformers derives from GGUF metadata (for llama and qwen3)."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConversionError(
+            f"unknown GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    n_vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    head_dim = get("rope.dimension_count") if arch == "llama" else get("attention.key_length")
+    if get("rope.scaling.type") not in (None, "none") or "rope_freqs.weight" in tensor_names:
+        raise ConversionError(f"GGUF RoPE scaling ({arch}) is not supported")
+    cfg = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": n_vocab,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim or (hidden // heads if hidden and heads else None),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "max_position_embeddings": get("context_length", 2048),
+        # transformers: tied exactly when the file has no output.weight.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    missing = [k for k, v in cfg.items() if v is None and not k.endswith("token_id")]
+    if missing:
+        raise ConversionError(f"GGUF metadata lacks {', '.join(missing)}")
+    return cfg
+
+
+def open_gguf(path: str | Path) -> Source:
+    """A GGUF file: weights dequantised to float32, llama q/k un-permuted, tokenizer rebuilt."""
+    import gguf
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConversionError(f"GGUF file {p} does not exist")
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except Exception as e:  # gguf raises ValueError/struct errors on foreign files
+        raise ConversionError(f"cannot read GGUF {p.name}: {e}") from None
+    meta = read_gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    try:
+        cfg = config_from_hf(gguf_hf_config(meta, names))
+    except ConfigError as e:
+        raise ConversionError(f"{p.name}: {e}") from None
+    permute = meta.get("general.architecture") == "llama"
+    # GGUF stores dims innermost-first; numpy (and HF) order is the reverse.
+    shapes = {
+        gguf_to_hf_name(t.name): tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors
+    }
+
+    def read() -> Iterator[tuple[str, np.ndarray]]:
+        for t in reader.tensors:
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+            name = gguf_to_hf_name(t.name)
+            if permute and name.endswith("self_attn.q_proj.weight"):
+                w = unpermute_llama_qk(w, cfg.num_heads)
+            elif permute and name.endswith("self_attn.k_proj.weight"):
+                w = unpermute_llama_qk(w, cfg.num_kv_heads)
+            yield name, w.reshape(shapes[name])
+
+    def tokenizer() -> ChatTokenizer | None:
+        if "tokenizer.ggml.tokens" not in meta:
+            return None
+        return ChatTokenizer.from_gguf_metadata(meta)
+
+    return Source(str(p), cfg, shapes, read, tokenizer, [])
+
+
+def open_source(hf_dir: str | Path | None = None, gguf: str | Path | None = None) -> Source:
+    if (hf_dir is None) == (gguf is None):
+        raise ConversionError("give exactly one of an HF checkpoint folder or a GGUF file")
+    return open_hf_dir(hf_dir) if hf_dir is not None else open_gguf(gguf)

