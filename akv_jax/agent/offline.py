@@ -1,0 +1,70 @@
+"""Offline cost estimate: a trajectory's requests against an ideal prefix cache (no server).
+
+The recorded assistant messages stand in for generated ones and summaries are synthetic tokens
+of the recorded length. A request's ``cached_tokens`` is the longest prefix, in tokens *and*
+ops (DESIGN.md §2: sharing needs a common prefix of both), that it shares with an earlier
+request of the same trajectory followed by that request's output, i.e. what a server that never
+evicts would report (page rounding ignored). This isolates the policies' cost from server
+capacity and timing: the measured replay reports the same quantities from the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from akv_jax.agent.cost import Usage
+from akv_jax.agent.messages import Message, Request, synthetic_tokens
+from akv_jax.agent.policies import Policy
+from akv_jax.agent.trajectory import Trajectory
+
+Key = int | tuple
+
+
+def request_key(req: Request) -> list[Key]:
+    """Tokens with op markers after their boundary (drops, then repos), as the server keys."""
+    drops = {int(b): tuple(v) for b, v in ((req.cache or {}).get("drop") or {}).items()}
+    repos = set((req.cache or {}).get("reposition") or ())
+    out: list[Key] = []
+    for s, seg in enumerate(req.segments):
+        out.extend(seg)
+        if drops.get(s):
+            out.append(("drop", drops[s]))
+        if s in repos:
+            out.append(("repos",))
+    return out
+
+
+def _common(a: Sequence[Key], b: Sequence[Key]) -> int:
+    """Tokens (op markers not counted) in the longest common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += isinstance(x, int)
+    return n
+
+
+def offline_usage(policy: Policy, traj: Trajectory, vocab_size: int = 512) -> list[Usage]:
+    """Usage of every request ``policy`` sends over ``traj`` (ideal prefix cache)."""
+    seen: list[list[Key]] = []
+    usages: list[Usage] = []
+    history = traj.initial_history()
+    for k, turn in enumerate(traj.turns):
+        while True:
+            req = policy.next_request(history, turn.output_tokens)
+            if req.kind == "turn":
+                out = turn.assistant
+            else:
+                out = synthetic_tokens(f"summary/{traj.index}/{k}", req.max_new_tokens,
+                                       vocab_size)
+            key = request_key(req)
+            cached = max((_common(key, s) for s in seen), default=0)
+            # the last prompt token is always recomputed for its logits
+            cached = min(cached, req.prompt_tokens - 1)
+            usages.append(Usage(req.prompt_tokens, cached, len(out), req.repos_tokens))
+            seen.append(key + list(out))
+            policy.observe(req, out)
+            if req.kind == "turn":
+                break
+        history += [Message("assistant", turn.assistant), Message("tool", turn.tool)]
+    return usages
