@@ -46,7 +46,8 @@ for pair, d in diffs.items():
     print(f"{pair[0]:>18} vs {pair[1]:<18} max |dKV| = {d:.3e}")
 assert min(diffs.values()) > 1e-3"""),
 md("""## Figure 10: positions
-A0 B1 C2 | drop B, repos → A0 C1 | D2 | drop D → E3 (drop alone does not compact) | repos → A0 C1 E2 | F3."""),
+A0 B1 C2 | drop B, repos → A0 C1 | D2 | drop D → E3 (drop alone does not compact)
+| repos → A0 C1 E2 | F3."""),
 code("""names = "ABCDEF"
 segs = [[20 + i] for i in range(6)]
 hist = parse_history({"drop": {"2": [1], "3": [3]}, "reposition": [2, 4]}, 6)
