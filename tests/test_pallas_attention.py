@@ -265,10 +265,16 @@ def test_dispatch_pallas_on_cpu_runs_the_kernel():
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(5), num_kv_heads=2, group=3, head_dim=16
     )
-    ref_fn = make_attention_fn("auto", block_q=case.block_q, sm_scale=0.25)
+    from akv_jax.pallas.chunked import segment_attention_chunked
+
+    ref_fn = make_attention_fn("reference", block_q=case.block_q, sm_scale=0.25)
     assert isinstance(ref_fn, functools.partial) and ref_fn.func is segment_attention_reference
+    # "auto" on the CPU: the chunked jnp path (no Pallas lowering here)
+    auto_fn = make_attention_fn("auto", block_q=case.block_q, sm_scale=0.25, platform="cpu")
+    assert isinstance(auto_fn, functools.partial) and auto_fn.func is segment_attention_chunked
     ker_fn = make_attention_fn("pallas", block_q=case.block_q, sm_scale=0.25)
     _assert_close(ker_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)
+    _assert_close(auto_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)
 
 
 # --------------------------------------------------------------------------------- model
