@@ -489,12 +489,16 @@ class Engine:
         decoders = [r for r in self.running.values() if r.status == "decode"]
         events: list[TokenEvent] = []
         decode_pass: list[tuple[_Request, _Pass]] = []
+        stalled: list[_Request] = []
         for r in decoders:
             dp = self._decode_pass(r)
-            if dp is None:
-                events.append(self._finish(r, "abort"))
+            if dp is None:  # no free page for its next token: wait for others to finish
+                stalled.append(r)
                 continue
             decode_pass.append((r, dp))
+        if stalled and not decode_pass and not passes:
+            # Nobody else can free pages: only then give up on the stalled requests.
+            events.extend(self._finish(r, "abort") for r in stalled)
         work = passes + decode_pass
         if not work:
             return events
