@@ -81,3 +81,12 @@ def test_smollm2_bfloat16_within_measured_tolerance(default_model_cache):
         assert topk_diff(rec["name"], logits) <= BF16_SMOLLM2_ATOL
         top1 = z[f"{rec['name']}_topk_indices"][:, 0]
         assert (logits.argmax(-1) == top1).mean() >= BF16_MIN_ARGMAX_AGREEMENT
+
+
+def test_smollm2_batched_decode_matches_golden(default_model_cache):
+    """The decode benchmark's path on the real model: the three chats as one ragged batch."""
+    m = load_model(None, "float32")
+    chats = smollm2_meta()["chats"]
+    out = greedy_generate_batch(m.params, m.cfg, [c["ids_gen"] for c in chats], 16)
+    for row, rec in zip(out, chats, strict=True):
+        assert row.tolist() == rec["continuation"]

@@ -139,6 +139,28 @@ def dense_attention(
     return (o / denom).reshape(B, T, Hq, Dh).astype(q.dtype)
 
 
+def _write(cache: jax.Array, new: jax.Array, q_pos: jax.Array, axis: int) -> jax.Array:
+    """Write ``new`` (the cache's layout, T slots on ``axis``) at ``q_pos`` [B, T] per row.
+
+    A decode step (T = 1) is one in-place ``dynamic_update_slice`` per row.
+    """
+    new = new.astype(cache.dtype)
+    B, T = q_pos.shape
+    if T == 1:
+        for b in range(B):
+            start = [b, 0, 0, 0]
+            start[axis] = q_pos[b, 0]
+            cache = jax.lax.dynamic_update_slice(cache, new[b : b + 1], start)
+        # Materialise the update once: otherwise XLA fuses the update into both of its users
+        # (attention and the loop carry), and each fused copy first copies the whole cache.
+        return jax.lax.optimization_barrier(cache)
+    rows = jnp.arange(B)[:, None]
+    idx = (rows, slice(None), q_pos) if axis == 2 else (rows, slice(None), slice(None), q_pos)
+    # Advanced indices (rows, q_pos) go first in the update: [B, T, ...the other axes].
+    moved = jnp.moveaxis(new, axis, 1)
+    return cache.at[idx].set(moved)
+
+
 def _layer(cfg: ModelConfig, lp: DecodeLayer, x, k_cache, v_cache, q_pos, rope):
     """One layer on feature-major ``x`` [D, B*T] for tokens at ``q_pos`` [B, T]."""
     B, T = q_pos.shape
@@ -152,11 +174,8 @@ def _layer(cfg: ModelConfig, lp: DecodeLayer, x, k_cache, v_cache, q_pos, rope):
         q = _rms_norm(q, lp.q_norm, eps, axis=1)
         k = _rms_norm(k, lp.k_norm, eps, axis=1)
     q, k = _rope(q, flat_pos, rope), _rope(k, flat_pos, rope)
-    rows = jnp.arange(B)[:, None]
-    k_new = k.reshape(Hkv, Dh, B, T).transpose(2, 3, 0, 1)  # [B, T, Hkv, Dh]
-    v_new = v.reshape(Hkv, Dh, B, T).transpose(2, 3, 0, 1)
-    k_cache = k_cache.at[rows, :, q_pos].set(k_new.astype(k_cache.dtype))
-    v_cache = v_cache.at[rows, :, :, q_pos].set(v_new.astype(v_cache.dtype))
+    k_cache = _write(k_cache, k.reshape(Hkv, Dh, B, T).transpose(2, 0, 3, 1), q_pos, axis=2)
+    v_cache = _write(v_cache, v.reshape(Hkv, Dh, B, T).transpose(2, 0, 1, 3), q_pos, axis=3)
     q_tok = q.reshape(Hq, Dh, B, T).transpose(2, 3, 0, 1)  # [B, T, Hq, Dh]
     attn = dense_attention(q_tok, k_cache, v_cache, q_pos, Dh**-0.5)
     attn = attn.reshape(B * T, Hq * Dh).T.astype(x.dtype)  # [Hq*Dh, B*T]
