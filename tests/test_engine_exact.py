@@ -108,12 +108,17 @@ def test_serial_concurrent_flush_and_tiny_pool(model):
     check(dm, reqs, run(eng, reqs, concurrent=True))
     # A pool that holds just the largest request: most state is evicted and restored.
     need = max(
-        eng._pages_bound(timeline([len(x) for x in segs], parse_history(c, len(segs))), N_NEW)
+        eng._pages_bound(
+            timeline([len(x) for x in segs], parse_history(c, len(segs))),
+            N_NEW,
+            parse_history(c, len(segs)),
+        )
         for segs, c in reqs
     )
     small = Engine(m, max_total_tokens=8 * need, page_size=8, attention_backend="reference")
     check(dm, reqs, run(small, reqs, concurrent=False))
     assert small.tree.evictions > 0
+    assert small.tree.dead_evictions > 0  # dropped / superseded KV went first
     assert small.counters["restores"] > 0
     assert small.flush_cache() and small.pool.used_pages == 0
 

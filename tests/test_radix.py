@@ -86,19 +86,165 @@ def test_match_equals_brute_force(page_size):
             tree.evict(rng.randint(1, 50))
 
 
+def insert_tokens(tree: RadixTree, keys: list) -> list:
+    """Like ``insert``, but token nodes carry absolute *token* indices (ops not counted), as
+    the engine's do, so that drop ranges name the tokens they drop."""
+    path = tree.match(keys)
+    i = sum(len(n.key) for n in path)
+    tok = sum(1 for k in keys[:i] if isinstance(k, int))
+    parent = path[-1] if path else tree.root
+    while i < len(keys):
+        if isinstance(keys[i], int):
+            j = i
+            while j < len(keys) and isinstance(keys[j], int):
+                j += 1
+            node = tree.add_child(parent, tuple(keys[i:j]), "tokens", tok)
+            node.pages = tree.alloc(-(-(j - i) // tree.page_size))
+            tok += j - i
+            i = j
+        else:
+            node = tree.add_child(parent, (keys[i],), keys[i][0])
+            if keys[i][0] == "repos":
+                node.held_tokens = tuple(range(tok))  # what it holds does not matter here
+                node.pages = tree.alloc(1)
+            i += 1
+        path.append(node)
+        parent = node
+    return path
+
+
+def brute_dead(tree: RadixTree) -> set[int]:
+    """Dead by definition: on every root-to-leaf path through a node, some later node drops
+    all of its tokens (a union of drops along the way) or repositions."""
+    leaves_paths: list[list] = []
+    stack = [(tree.root, [])]
+    while stack:
+        n, path = stack.pop()
+        kids = [c for g in n.children.values() for c in g]
+        if not kids and path:
+            leaves_paths.append(path)
+        stack.extend((c, path + [c]) for c in kids)
+    dead = set()
+    for n in tree.nodes():
+        if n.kind not in ("tokens", "repos"):
+            continue
+        held = set(n.token_ids())
+        ok = True
+        for path in leaves_paths:
+            if n not in path:
+                continue
+            dropped: set[int] = set()
+            covered = False
+            for m in path[path.index(n) + 1 :]:
+                if m.kind == "repos":
+                    covered = True
+                    break
+                if m.kind == "drop":
+                    dropped |= {t for a, b in m.key[0][1] for t in range(a, b)}
+                    if held <= dropped:
+                        covered = True
+                        break
+            ok &= covered
+        if ok:
+            dead.add(n.id)
+    return dead
+
+
+def agent_keys(rng: random.Random, turns: int) -> list:
+    """A rolling-drop agent's keys: segments, each later dropping an older one, some repos."""
+    keys: list = []
+    starts: list[tuple[int, int]] = []
+    tok = 0
+    for _ in range(turns):
+        n = rng.randint(1, 6)
+        keys += [rng.randint(0, 3) for _ in range(n)]
+        starts.append((tok, tok + n))
+        tok += n
+        r = rng.random()
+        if r < 0.4 and len(starts) > 2:
+            keys.append(("drop", tuple(rng.sample(starts[:-1], rng.randint(1, 2)))))
+        elif r < 0.5:
+            keys.append(("repos",))
+    return keys
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dead_equals_brute_force(seed):
+    rng = random.Random(seed)
+    tree = RadixTree(PagePool(100_000), 1)
+    stored: list[list] = []
+    seen_dead = 0
+    for _ in range(40):
+        if stored and rng.random() < 0.6:  # continue or branch off a stored history
+            base = rng.choice(stored)
+            keys = base[: rng.randint(1, len(base))] + agent_keys(rng, rng.randint(1, 4))
+        else:
+            keys = agent_keys(rng, rng.randint(2, 8))
+        insert_tokens(tree, keys)
+        stored.append(keys)
+        dead = tree.dead()
+        assert dead == brute_dead(tree)
+        seen_dead += len(dead)
+    assert seen_dead > 0
+
+
+def test_rolling_drop_kv_is_dead_and_goes_first_even_when_locked():
+    ps = 2
+    pool = PagePool(64)
+    tree = RadixTree(pool, ps)
+    # turn 1: tool (0..3) + reasoning (4..5); turn 2 drops the tool 2 segments later
+    insert_tokens(tree, [1, 2, 3, 4])  # turn 1 (the engine makes a node per segment)
+    a = insert_tokens(tree, [1, 2, 3, 4, 5, 6, 7, 8, ("drop", ((0, 4),)), 9, 9])
+    tool, reasoning, later = a[0], a[1], a[-1]
+    assert tree.dead() == {tool.id}
+    # a running request holds the path; another trajectory is idle and older
+    b = insert_tokens(tree, [5, 5, 5, 5])
+    for n in b:
+        n.last_used -= 10
+    tree.lock(later)
+    freed = tree.evict(1)
+    assert freed == 2 and tool.pages is None  # dead KV first, despite the lock
+    assert reasoning.pages is not None and b[0].pages is not None
+    assert tree.dead_evictions == 2
+    # then LRU among unlocked nodes: the idle trajectory; the locked live path stays
+    tree.evict(100)
+    assert b[0].pages is None and reasoning.pages is not None and later.pages is not None
+    # a branch that keeps the tool visible makes it live again
+    insert_tokens(tree, [1, 2, 3, 4, 5, 6, 7, 8, 3, 3])
+    assert tool.id not in tree.dead()
+    tree.unlock(later)
+    tree.flush()
+    assert pool.used_pages == 0
+
+
+def test_pinned_nodes_are_kept_and_match_does_not_refresh():
+    pool = PagePool(8)
+    tree = RadixTree(pool, 1)
+    insert_tokens(tree, [1])
+    a = insert_tokens(tree, [1, 2, ("drop", ((0, 1),)), 3])
+    old = a[0].last_used
+    tree.match([1, 2, ("drop", ((0, 1),)), 3])
+    assert a[0].last_used == old  # passing over KV is not using it
+    tree.pinned.add(a[0].id)
+    assert tree.evict(1) == 1 and a[0].pages is not None  # the pinned dead node stays
+    tree.pinned.clear()
+    tree.evict(1)
+    assert a[0].pages is None
+
+
 def test_eviction_order_locks_and_flush():
     ps = 2
     pool = PagePool(64)
     tree = RadixTree(pool, ps)
     # path A: tokens 0..5 (3 pages), then a drop of all of them, then tokens (2 pages)
-    a = insert(tree, [1, 2, 3, 4, 5, 6, ("drop", ((0, 6),)), 7, 8, 9])
+    a = insert_tokens(tree, [1, 2, 3, 4, 5, 6, ("drop", ((0, 6),)), 7, 8, 9])
     # path B: unrelated tokens (2 pages), locked as if a request ran on it
-    b = insert(tree, [9, 9, 9, 9])
+    b = insert_tokens(tree, [9, 9, 9, 9])
     tree.lock(b[-1])
     used = pool.used_pages
-    assert RadixTree.dropped_only(a[0]) and not RadixTree.dropped_only(a[-1])
+    assert tree.dead() == {a[0].id}
     freed = tree.evict(1)
-    assert freed == 3 and a[0].pages is None  # dropped-only KV went first
+    assert freed == 3 and a[0].pages is None  # dropped KV went first
     assert a[-1].pages is not None and b[0].pages is not None
     # emptied nodes stay: the full path still matches
     assert [n.id for n in tree.match([1, 2, 3, 4, 5, 6, ("drop", ((0, 6),)), 7, 8, 9])] == [

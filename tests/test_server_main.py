@@ -46,6 +46,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
         (["--disaggregate", "1,1"], 2, "needs 2 devices, 1 available"),
         (["--disaggregate", "4"], 2, "expected P,D (two integers)"),
         (["--max-total-tokens", "8", "--page-size", "16"], 2, "smaller than one page"),
+        (["--context-length", "0"], 2, "--context-length must be at least 1"),
     ],
 )
 def test_bad_flags(args, code, words):
@@ -129,3 +130,14 @@ def test_default_model_with_no_flags(default_model_cache):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_context_length_override():
+    from akv_jax.model.loading import load_model
+    from akv_jax.serving.main import StartupError, with_context_length
+
+    tiny = load_model("tiny")
+    assert with_context_length(tiny, 32768, True).cfg.max_position_embeddings == 32768
+    assert with_context_length(tiny, 1024, False).cfg.max_position_embeddings == 1024
+    with pytest.raises(StartupError, match="above the model's max_position_embeddings"):
+        with_context_length(tiny, 8192, False)  # as if it were a trained model

@@ -24,6 +24,7 @@ COUNTERS = (
     "akv_cache_query_tokens_total",
     "akv_cache_hit_tokens_total",
     "akv_cache_evictions_total",
+    "akv_cache_evicted_dead_pages_total",
     "akv_cache_restores_total",
     "akv_cache_restored_tokens_total",
     "akv_kv_pool_used_pages",

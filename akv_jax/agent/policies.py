@@ -20,9 +20,11 @@ A policy object holds the state of one trajectory.
 
 Scaling (:class:`Scale`). The paper's numbers are for a 131,072-position model (GPT-OSS-120B):
 Standard summarises at 96K, Text Engineering at 48K, Pi uses reserveTokens=16,384 and
-keepRecentTokens=20,000. The tiny test model has 4,096 positions, so every context-length
-setting is multiplied by 4096 / 131072 = 1/32: 3,072 / 1,536 / 512 / 625 tokens. The number of
-kept tool responses (K=12) is a count, not a length, and is not scaled.
+keepRecentTokens=20,000. A smaller window multiplies every context-length setting by
+``context / 131072``: the replay serves the tiny model with 32,768 positions
+(:data:`REPLAY_SCALE`, 1/4: 24,576 / 12,288 / 4,096 / 5,000 tokens), the tiny model's own
+4,096 positions give :data:`TINY_SCALE` (1/32). The number of kept tool responses (K=12) is a
+count, not a length, and is not scaled; neither are tool responses (100-2,000 tokens).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Scale:
 
 
 TINY_SCALE = Scale(4096)  # --model-path tiny: factor 1/32
+REPLAY_SCALE = Scale(32768)  # bench/replay.py: tiny with --context-length 32768, factor 1/4
 PAPER_SCALE = Scale(PAPER_CONTEXT)  # factor 1: the paper's own numbers
 
 

@@ -5,25 +5,24 @@ and per turn the recorded output budget (reasoning + tool call) and the recorded
 The replay generates the assistant messages itself (greedy, ``ignore_eos``, exactly the
 recorded budget) and feeds back the recorded tool responses, as in the paper's Table 2 protocol.
 
-Distributions (all lengths in tokens, drawn from ``random.Random(f"{seed}/{index}")``):
+Distributions (all lengths in tokens, drawn from ``random.Random(f"{seed}/{index}")``), the
+issue's: tool responses of 100-2,000 tokens, reasoning of 20-200 tokens, tens of turns:
 
 * system prompt: ``system_tokens`` fixed ids shared by every trajectory (one harness);
 * task: log-uniform in ``task_range``;
-* per turn, output budget: log-uniform in ``output_range`` (20-200 by default);
-* per turn, tool response: log-uniform in ``tool_range``; the default 12-250 is 100-2,000
-  tokens divided by 8 (not by the 1/32 context scale, which would leave 3-62-token tool
-  responses dwarfed by the unscaled reasoning). Means: 78 tokens of tool text and 78 of
-  reasoning per turn; the 12 kept tool responses then hold ~23% of the window (~14% in the
-  paper: 12 x ~1.5K of 128K), and tens of turns fit in 4,096 positions;
-* number of turns: up to ``max_turns``; a trajectory ends earlier once AKV's active context
-  (every message except tool responses older than the ``keep_tools`` most recent) would pass
-  ``active_cap`` of the position limit (0.75, i.e. the Standard threshold of 3,072). AKV
-  keeps all reasoning, so its active context keeps growing (paper Figure 14); the cap keeps
-  every method inside the tiny model's window without summarising AKV, and leaves AKV's
-  repos at the threshold something that happens about 1-2 times per trajectory, as in the
-  paper, rather than every turn. Result: ~23 turns and ~3,800 tokens per trajectory (mean of
-  the first 16 of seed 0), so Standard compacts about once and Text Engineering about 3
-  times per trajectory. The paper likewise replays the tasks with the longest trajectories.
+* per turn, output budget (reasoning + tool call): log-uniform in ``output_range`` (20-200,
+  mean 78);
+* per turn, tool response: log-uniform in ``tool_range`` (100-2,000, mean 634), so tool
+  responses hold ~89% of a trajectory, as in coding and search agents;
+* number of turns: ``max_turns`` (40), unless AKV's active context (every message except
+  tool responses older than the ``keep_tools`` most recent) would pass ``active_cap`` of the
+  position limit first (it does not at the default 32,768 positions).
+
+With the defaults (``context`` 32,768, the replay's scale of the paper's 131,072 positions,
+1/4): ~28K tokens per trajectory; AKV keeps the 12 latest tool responses (~7.6K tokens) and
+all reasoning, 8.0K active tokens per request on average; Standard summarises at 24,576
+tokens about once per trajectory (11.9K prompt tokens per request on average). The paper
+likewise replays the tasks with the longest trajectories.
 """
 
 from __future__ import annotations
@@ -39,11 +38,11 @@ from akv_jax.agent.messages import Message, synthetic_tokens
 @dataclasses.dataclass(frozen=True)
 class TrajectorySpec:
     vocab_size: int = 512
-    context: int = 4096
+    context: int = 32768
     system_tokens: int = 48
     task_range: tuple[int, int] = (16, 64)
     output_range: tuple[int, int] = (20, 200)
-    tool_range: tuple[int, int] = (12, 250)
+    tool_range: tuple[int, int] = (100, 2000)
     max_turns: int = 40
     min_turns: int = 4
     keep_tools: int = 12

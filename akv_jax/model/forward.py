@@ -57,8 +57,9 @@ class KVWrites:
     positions: jax.Array  # [W, T] int32
 
 
-# attention(q [T,Hq,Dh], k_pages, v_pages, batch) -> [T,Hq,Dh]; k/v_pages are one layer's pool.
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, SegmentBatch], jax.Array]
+# attention(q [T,Hq,Dh], k_pages, v_pages, batch, layer=None) -> [T,Hq,Dh]: k/v_pages are one
+# layer's pool [P, ps, Hkv, Dh], or every layer's [L, P, ps, Hkv, Dh] with ``layer`` picking one.
+AttentionFn = Callable[..., jax.Array]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -95,26 +96,30 @@ def decoder_layer(
     cfg: ModelConfig,
     lp: LayerParams,
     x: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    layer: jax.Array,
     q_positions: jax.Array,
     writes: KVWrites,
     batch: SegmentBatch,
     rope: RopeTable,
     attention: AttentionFn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder layer on one layer's pool: returns (x, k_pool, v_pool)."""
+    """Decoder layer ``layer`` on the all-layer pools [L, P, ps, Hkv, Dh]: (x, k_all, v_all).
+
+    The writes go straight into the stacked pools and attention reads them with the layer
+    index: slicing one layer out and setting it back would copy the whole layer pool twice
+    per layer and step, which made step time grow with the pool size.
+    """
     q, k, v = attention_inputs(cfg, lp, x, q_positions, rope)
-    P, ps = k_pool.shape[0], k_pool.shape[1]
-    k_flat = k_pool.reshape(P * ps, *k_pool.shape[2:])
-    v_flat = v_pool.reshape(P * ps, *v_pool.shape[2:])
+    ps = k_all.shape[2]
     for w in range(writes.slots.shape[0]):  # W is small and static (position versions)
-        kw = apply_rope(k, writes.positions[w], rope).astype(k_pool.dtype)
-        k_flat = k_flat.at[writes.slots[w]].set(kw, mode="drop")
-        v_flat = v_flat.at[writes.slots[w]].set(v.astype(v_pool.dtype), mode="drop")
-    k_pool, v_pool = k_flat.reshape(k_pool.shape), v_flat.reshape(v_pool.shape)
-    attn = attention(q, k_pool, v_pool, batch)
-    return layer_output(cfg, lp, x, attn), k_pool, v_pool
+        kw = apply_rope(k, writes.positions[w], rope).astype(k_all.dtype)
+        page, off = writes.slots[w] // ps, writes.slots[w] % ps  # slot P*ps -> page P: dropped
+        k_all = k_all.at[layer, page, off].set(kw, mode="drop")
+        v_all = v_all.at[layer, page, off].set(v.astype(v_all.dtype), mode="drop")
+    attn = attention(q, k_all, v_all, batch, layer=layer)
+    return layer_output(cfg, lp, x, attn), k_all, v_all
 
 
 def forward(
@@ -139,11 +144,9 @@ def forward(
     def body(carry, layer_in):
         x, k_all, v_all = carry
         lp, idx = layer_in
-        x, k_l, v_l = decoder_layer(
-            cfg, lp, x, k_all[idx], v_all[idx], q_positions, writes, batch, rope, attention
+        x, k_all, v_all = decoder_layer(
+            cfg, lp, x, k_all, v_all, idx, q_positions, writes, batch, rope, attention
         )
-        k_all = k_all.at[idx].set(k_l)
-        v_all = v_all.at[idx].set(v_l)
         return (x, k_all, v_all), None
 
     (x, k_all, v_all), _ = jax.lax.scan(

@@ -19,6 +19,19 @@ from akv_jax.pallas.plan import blocks_of, plan_pages
 _NEG = -1e30
 
 
+def _default_pages_per_chunk(page_size: int) -> int:
+    # Each step of the loop costs a fixed overhead on the CPU; 512 keys per step keeps it
+    # small next to the work (at the price of up to one partly used chunk per block).
+    import os
+
+    keys = int(os.environ.get("AKV_CHUNK_KEYS", "512"))
+    return max(1, keys // page_size)
+
+
+def _pages(pool: jax.Array, layer: jax.Array | None, pages: jax.Array) -> jax.Array:
+    return pool[pages] if layer is None else pool[layer, pages]
+
+
 def segment_attention_chunked(
     q: jax.Array,
     k_pages: jax.Array,
@@ -29,12 +42,15 @@ def segment_attention_chunked(
     sm_scale: float,
     sinks: jax.Array | None = None,
     sliding_window: int | None = None,
-    pages_per_chunk: int = 8,
+    pages_per_chunk: int | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
+    """``layer`` given: ``k_pages``/``v_pages`` hold every layer [L, P, ps, Hkv, Dh] and the
+    chunks are gathered from that layer in place (no per-layer copy of the pool)."""
     T, Hq, Dh = q.shape
-    _, ps, Hkv, _ = k_pages.shape
+    ps, Hkv = k_pages.shape[-3], k_pages.shape[-2]
     G = Hq // Hkv
-    C = pages_per_chunk
+    C = pages_per_chunk or _default_pages_per_chunk(ps)
     blocks = blocks_of(batch)
     plan = plan_pages(batch, blocks, page_size=ps, sliding_window=sliding_window)
     # One spare chunk of padding so a chunk starting anywhere below ``hi`` never runs past the
@@ -62,8 +78,8 @@ def segment_attention_chunked(
             in_range = (start + jnp.arange(C)) < hi
             sp = jnp.where(in_range[:, None], sp, -1).reshape(C * ps)
             ok = sp >= 0
-            k = k_pages[pg].reshape(C * ps, Hkv, Dh).astype(jnp.float32)
-            v = v_pages[pg].reshape(C * ps, Hkv, Dh).astype(jnp.float32)
+            k = _pages(k_pages, layer, pg).reshape(C * ps, Hkv, Dh).astype(jnp.float32)
+            v = _pages(v_pages, layer, pg).reshape(C * ps, Hkv, Dh).astype(jnp.float32)
             v = jnp.where(ok[:, None, None], v, 0.0)  # masked slots may hold NaN
             mask = ok[None, :] & (sp[None, :] <= causal[:, None]) & row_ok[:, None]
             if sliding_window is not None:

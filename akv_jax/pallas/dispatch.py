@@ -10,7 +10,8 @@
   body cannot take (e.g. a page size that is not a power of two on the GPU).
 
 The returned callables have the shapes :mod:`akv_jax.model.forward` expects:
-``attention(q, k_pages, v_pages, batch)`` and
+``attention(q, k_pages, v_pages, batch, layer=None)`` (``layer`` given: the pools hold every
+layer, [L, P, ps, Hkv, Dh]) and
 ``repos(k_pages, pages, old_pos, new_pos, table)``.
 """
 
@@ -80,7 +81,9 @@ def make_attention_fn(
     body = segment_attention_gpu if impl == "gpu" else segment_attention_tpu
     kernel = functools.partial(body, interpret=interpret, **common, **kernel_options)
 
-    def attention(q, k_pages, v_pages, batch):
+    def attention(q, k_pages, v_pages, batch, layer=None):
+        if layer is not None:  # the kernels take one layer's pool
+            k_pages, v_pages = k_pages[layer], v_pages[layer]
         if impl == "gpu" and backend == "auto" and not _is_pow2(k_pages.shape[1]):
             return reference(q, k_pages, v_pages, batch)
         return kernel(q, k_pages, v_pages, batch)

@@ -26,6 +26,7 @@ def segment_attention_reference(
     sm_scale: float,
     sinks: jax.Array | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of every query block over its segment's paged view.
 
@@ -37,10 +38,13 @@ def segment_attention_reference(
       sm_scale: softmax scale.
       sinks: optional [Hq] per-head sink logits (GPT-OSS): an extra softmax term with no value.
       sliding_window: optional window in view slots: row at view index c sees slots > c - w.
+      layer: when given, k_pages/v_pages hold every layer [L, P, ...] and this one is used.
 
     Returns:
       [T, Hq, Dh] in q's dtype; rows no block covers are zero.
     """
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     T, Hq, Dh = q.shape
     _, page_size, Hkv, _ = k_pages.shape
     G = Hq // Hkv

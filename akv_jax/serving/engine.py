@@ -75,6 +75,9 @@ class TokenEvent:
     meta: dict
 
 
+PREFILL_BLOCK_Q = 64  # query rows per attention block in prefill forwards
+
+
 def request_keys(segments: Sequence[Sequence[int]], history: OpHistory):
     """Radix keys of a request; for each key its absolute token index (-1 for an op) and
     its boundary (the segment an op follows; -1 for a token)."""
@@ -112,6 +115,7 @@ class _Request:
     # later by other requests' matches, but their pages never move.
     view_pages: list[int] = dataclasses.field(default_factory=list)
     view_toks: np.ndarray | None = None
+    view_nodes: list[Node] = dataclasses.field(default_factory=list)  # final view, any visible
     gen_pages: list[int] = dataclasses.field(default_factory=list)
     generated: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
@@ -193,7 +197,9 @@ class Engine:
             requests_finished=0,
         )
         self._step_id = 0
-        self._attn = {bq: attention_fn(self.cfg, attention_backend, bq) for bq in (1, 16)}
+        self._attn = {
+            bq: attention_fn(self.cfg, attention_backend, bq) for bq in (1, PREFILL_BLOCK_Q)
+        }
 
     # ------------------------------------------------------------------ admission
     def check(self, req: GenerateRequest) -> Timeline:
@@ -217,7 +223,7 @@ class Engine:
                 f"context reaches position {peak}, past the model's limit of {limit}: "
                 "add a reposition (after dropping messages) to bring positions down",
             )
-        need = self._pages_bound(tl, sp.max_new_tokens)
+        need = self._pages_bound(tl, sp.max_new_tokens, req.history)
         if need > self.num_pages:
             raise CacheOpError(
                 "input_ids",
@@ -226,11 +232,13 @@ class Engine:
             )
         return tl
 
-    def _pages_bound(self, tl: Timeline, max_new: int) -> int:
+    def _pages_bound(self, tl: Timeline, max_new: int, history: OpHistory) -> int:
+        """Pages a request can hold at once: every segment (a node each, page-aligned), a
+        compact copy of the tokens active at each repos, and its generated tokens."""
         ps = self.page_size
         pages = sum(-(-int(n) // ps) for n in tl.seg_lens) + -(-max_new // ps)
-        for e in range(1, tl.num_versions):
-            pages += -(-int(tl.version_has[e - 1].sum()) // ps)
+        for b in history.repos:
+            pages += -(-len(tl.active_after(b)) // ps)
         return pages
 
     def add_request(self, req: GenerateRequest) -> None:
@@ -264,6 +272,7 @@ class Engine:
         return dict(
             self.counters,
             evictions=self.tree.evictions,
+            dead_evictions=self.tree.dead_evictions,
             pool_used_pages=self.pool.used_pages,
             pool_total_pages=self.num_pages,
             running=len(self.running),
@@ -305,8 +314,15 @@ class Engine:
         while i < len(r.keys):
             k = r.keys[i]
             if isinstance(k, int):
+                # One node per segment: a rolling drop then empties whole nodes (a node that
+                # also held the previous message's last token could never become dead).
+                seg = tl.token_seg[r.tok_index[i]]
                 j = i
-                while j < len(r.keys) and isinstance(r.keys[j], int):
+                while (
+                    j < len(r.keys)
+                    and isinstance(r.keys[j], int)
+                    and tl.token_seg[r.tok_index[j]] == seg
+                ):
                     j += 1
                 node = self.tree.add_child(parent, tuple(r.keys[i:j]), "tokens", r.tok_index[i])
                 i = j
@@ -327,9 +343,12 @@ class Engine:
             path[k : k + 1] = [self.tree.split(last, cut), last]
         return path, fresh
 
-    def _choose_compute(self, r: _Request, path: list[Node], fresh: set[int]) -> set[int]:
-        """Nodes to compute: fresh ones, the last token node, and (to a fixpoint) every
-        emptied node whose KV something computed, or the final view, still attends to."""
+    def _choose_compute(
+        self, r: _Request, path: list[Node], fresh: set[int]
+    ) -> tuple[set[int], set[int]]:
+        """``(compute, needed)``: nodes to compute (fresh ones, the last token node, and, to a
+        fixpoint, every emptied node whose KV something computed, or the final view, still
+        attends to) and the nodes whose KV the pass or the final view reads."""
         tl = r.tl
         compute = {n.id for n in path if n.id in fresh and n.kind != "drop"}
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
@@ -351,7 +370,7 @@ class Engine:
             needed |= {v.id for v in view if tl.final_active[list(v.token_ids())].any()}
             extra = {n.id for n in path if n.id in needed and n.evicted} - compute
             if not extra:
-                return compute
+                return compute, needed
             compute |= extra
 
     def _plan(self, r: _Request) -> _Pass | None:
@@ -368,7 +387,12 @@ class Engine:
             # Another request computes part of this path in this step; its pages are
             # written during the forward, too late for this request's pre-pass copies.
             return give_up()
-        compute = self._choose_compute(r, path, fresh)
+        compute, needed = self._choose_compute(r, path, fresh)
+        used = [n for n in path if n.id in compute or n.id in needed]
+        # Pinned for this step: allocations below (and other requests' in this step) must
+        # not evict KV this pass reads, even KV that is dead for every later request.
+        self.tree.pinned.update(n.id for n in used)
+        self.tree.touch(used)
         self.tree.lock(path[-1])
         allocated: list[tuple[Node, list[int]]] = []
         for node in path:
@@ -462,6 +486,7 @@ class Engine:
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
         p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
         r.view_pages = self._view_pages(view)
+        r.view_nodes = [v for v in view if r.tl.final_active[list(v.token_ids())].any()]
         r.view_toks = np.asarray([t for v in view for t in self._slot_tokens(v)], np.int64)
         r.last_node = path[-1]
         r.prompt_last_node = path[-1]
@@ -471,6 +496,7 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[TokenEvent]:
         self._step_id += 1
+        self.tree.pinned.clear()
         passes: list[tuple[_Request, _Pass]] = []
         budget = self.prefill_chunk
         while self.waiting and len(self.running) + len(passes) < self.max_running:
@@ -502,19 +528,20 @@ class Engine:
         work = passes + decode_pass
         if not work:
             return events
-        if self.prefill is self.decode:  # colocated: one mixed forward
-            logits = self._run(self.prefill, work, block_q=16 if passes else 1)
-        else:
-            # Disaggregated: prefill on its group, hand its pages over, decode on the other;
-            # both forwards are dispatched before either result is read, so they overlap.
-            parts = []
-            if passes:
-                parts.append(self._run(self.prefill, passes, block_q=16))
+        # Prefill passes and decode rows run as two forwards, as SGLang runs prefill and
+        # decode batches: a prefill wants wide query blocks, a decode row one query, and one
+        # block size for both would pad every decode row to a prefill block. Disaggregated,
+        # they run on their own groups (the prefill's pages are handed over first), and
+        # both are dispatched before either result is read, so they overlap.
+        parts = []
+        if passes:
+            parts.append(self._run(self.prefill, passes, block_q=PREFILL_BLOCK_Q))
+            if self.prefill is not self.decode:
                 written = [pg for _, p in passes for pg in p.written_pages]
                 transfer_pages(self.prefill, self.decode, written)
-            if decode_pass:
-                parts.append(self._run(self.decode, decode_pass, block_q=1))
-            logits = [row for part in parts for row in np.asarray(part)]
+        if decode_pass:
+            parts.append(self._run(self.decode, decode_pass, block_q=1))
+        logits = [row for part in parts for row in np.asarray(part)]
         logits = [np.asarray(row) for row in logits]
         for (r, _), row in zip(work, logits, strict=True):
             if r.status == "waiting":
@@ -569,8 +596,10 @@ class Engine:
             rows.append(off + p.logits_row)
         if copies:
             group.rerotate_copy(copies, self.rope)
-        # Generous minimum buckets: a handful of compiled programs serve every step.
-        T = bucket(len(tokens), max(block_q, 8 if block_q == 1 else 64), steps_per_octave=4)
+        # Few shapes, so that a few compiled programs serve every step: the token count in
+        # half-octave steps; the block count follows from it (each segment adds at most one
+        # partial block); views in powers of two from 4,096 tokens.
+        T = bucket(len(tokens), max(block_q, 8 if block_q == 1 else 64), steps_per_octave=2)
         W = bucket(max(len(w) for w in writes), 1 if block_q == 1 else 4)
         sentinel = self.num_pages * ps
         slot_arr = np.full((W, T), sentinel, np.int32)
@@ -582,14 +611,14 @@ class Engine:
         tok_arr[: len(tokens)] = tokens
         qp = np.zeros(T, np.int32)
         qp[: len(q_pos)] = q_pos
-        n_blocks = sum(-(-s.q_len // block_q) for s in segs)
+        ns = bucket(len(segs), 8)
         batch = build_segment_batch(
             segs,
             page_size=ps,
             block_q=block_q,
-            num_blocks=bucket(n_blocks, 8),
-            num_segments=bucket(len(segs), 8),
-            max_pages=bucket(max(len(s.pages) for s in segs), 32),
+            num_blocks=T if block_q == 1 else T // block_q + ns,
+            num_segments=ns,
+            max_pages=bucket(max(len(s.pages) for s in segs), max(1, 4096 // ps)),
         )
         row_arr = np.zeros(bucket(len(rows), 8), np.int32)
         row_arr[: len(rows)] = rows
@@ -665,6 +694,8 @@ class Engine:
             pages = pages[keep:]
         if pages:
             self.pool.free(pages)
+        self.tree.touch(r.view_nodes)  # the next turn attends to these again
+        r.view_nodes = []
         if r.last_node is not None:
             self.tree.unlock(r.last_node)
             r.last_node = None

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=_positive("--max-total-tokens"), default=16384,
                    help="KV pool size in tokens")
     p.add_argument("--page-size", type=_positive("--page-size"), default=16)
+    p.add_argument("--context-length", type=_positive("--context-length"), default=None,
+                   help="position limit of a request (default: the model's "
+                        "max_position_embeddings); above it only for the random 'tiny' model")
     p.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel degree")
     p.add_argument("--dist-coordinator", default=None, metavar="HOST:PORT",
                    help="multi-host: jax.distributed coordinator address (process 0's)")
@@ -88,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most prompt tokens prefilled in one scheduler step")
     p.add_argument("--max-new-tokens-limit", type=_positive("--max-new-tokens-limit"),
                    default=32768, help="largest max_new_tokens / max_tokens a request may ask")
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="persistent XLA compilation cache, so restarts skip compiles "
+                        "(default: $AKV_JAX_CACHE/xla, i.e. ~/.cache/akv_jax/xla; 'none' "
+                        "turns it off)")
     p.add_argument("--skip-warmup", action="store_true",
                    help="do not compile the forward pass with a dummy request before serving")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -190,17 +197,37 @@ def check_args(args: argparse.Namespace) -> None:
         )
 
 
+def enable_compile_cache(where: str | None) -> None:
+    """Point JAX's persistent compilation cache at ``where`` (see --compile-cache-dir)."""
+    if where == "none":
+        return
+    import jax
+
+    from akv_jax.model.loading import cache_root
+
+    path = Path(where) if where else cache_root() / "xla"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StartupError(f"--compile-cache-dir {path}: {e.strerror}", EXIT_USAGE) from None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def build_engine(args: argparse.Namespace):
     """Load the model and start the engine (StartupError on any failure)."""
     from akv_jax.model.loading import load_model
     from akv_jax.serving.engine import Engine
 
     what = args.model_path or "the default model"
+    enable_compile_cache(args.compile_cache_dir)
     try:
         model = load_model(args.model_path, args.dtype, progress=sys.stderr.isatty())
     except Exception as e:  # any loader failure is a user-facing "cannot load" line
         log.debug("model load failed", exc_info=True)
         raise StartupError(f"cannot load {what}: {e}") from None
+    if args.context_length is not None:
+        model = with_context_length(model, args.context_length, args.model_path == "tiny")
     try:
         engine = Engine(
             model,
@@ -218,6 +245,20 @@ def build_engine(args: argparse.Namespace):
         log.debug("engine start failed", exc_info=True)
         raise StartupError(f"cannot start the engine for {what}: {e}") from None
     return model, engine
+
+
+def with_context_length(model, n: int, is_tiny: bool):
+    """``model`` with position limit ``n`` (StartupError past a real model's own limit: its
+    RoPE was never trained there; the random tiny model has nothing to lose)."""
+    import dataclasses
+
+    own = model.cfg.max_position_embeddings
+    if n > own and not is_tiny:
+        raise StartupError(
+            f"--context-length {n} is above the model's max_position_embeddings ({own})",
+            EXIT_USAGE,
+        )
+    return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, max_position_embeddings=n))
 
 
 def build_server(

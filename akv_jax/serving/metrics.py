@@ -31,7 +31,11 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "cache_hit_tokens": (
         "cache_hit_tokens", "counter", "Prompt tokens whose KV was reused from the cache."
     ),
-    "evictions": ("cache_evictions", "counter", "Cache evictions performed by the engine."),
+    "evictions": ("cache_evictions", "counter", "KV pages freed by cache eviction."),
+    "dead_evictions": (
+        "cache_evicted_dead_pages", "counter",
+        "Evicted KV pages that no stored path attends to again (dropped or superseded).",
+    ),
     "restores": ("cache_restores", "counter", "One-pass restores of evicted cache prefixes."),
     "restored_tokens": (
         "cache_restored_tokens", "counter", "Tokens recomputed by one-pass restores."

@@ -13,9 +13,16 @@ Nodes:
 * repos nodes: a new *position version*: compact copies (K re-rotated, V copied) of every
   token still active there, in their own pages. Other requests keep the old version.
 
-Running requests *lock* the nodes on their path; locked nodes are never evicted. Eviction
-empties a node (frees its pages) but keeps it in the tree, so descendants stay findable;
-a later request that needs an emptied node's KV recomputes it in its one-pass prefill.
+Running requests *lock* the nodes on their path. Eviction empties a node (frees its pages)
+but keeps it in the tree, so descendants stay findable; a later request that needs an
+emptied node's KV recomputes it in its one-pass prefill.
+
+Drop-aware eviction. A node's KV is *dead* when every stored path below it drops all of its
+tokens, or repositions (a repos node holds its own compact copy), before reaching its leaf:
+nothing continuing a stored path attends to it again. Dead KV goes first, and may be freed
+even under a running request's lock (that request's final view does not see it either);
+then the rest by least recent *use*: a node's clock is refreshed when a request reads or
+writes its KV, not when a request merely passes over it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from typing import Any
 from akv_jax.serving.page_pool import PagePool
 
 Key = Any  # int token id, or an op tuple
+Ranges = list[tuple[int, int]]  # sorted, disjoint half-open token ranges
+
+_ALL: Ranges = [(0, 1 << 62)]
 
 _ids = itertools.count()
 
@@ -45,6 +55,7 @@ class Node:
         "tok_start",
         "held_tokens",
         "busy_step",
+        "_held_ranges",
     )
 
     def __init__(self, key: tuple, kind: str, parent: Node | None, tok_start: int = 0):
@@ -59,6 +70,7 @@ class Node:
         self.tok_start = tok_start  # absolute index of the first token (token nodes)
         self.held_tokens: tuple[int, ...] = ()  # absolute token ids a repos node holds
         self.busy_step = -1  # the scheduler step whose forward writes this node's KV
+        self._held_ranges: Ranges | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +86,15 @@ class Node:
             return tuple(range(self.tok_start, self.tok_start + len(self.key)))
         return self.held_tokens
 
+    def held_ranges(self) -> Ranges:
+        """``token_ids()`` as ranges (cached: a node's held tokens change only by a split)."""
+        if self._held_ranges is None:
+            if self.kind == "tokens":
+                self._held_ranges = [(self.tok_start, self.tok_start + len(self.key))]
+            else:
+                self._held_ranges = _to_ranges(self.held_tokens)
+        return self._held_ranges
+
     def __repr__(self) -> str:
         body = f"{len(self.key)} tok" if self.kind == "tokens" else repr(self.key[0])
         return f"Node#{self.id}({self.kind}, {body}, pages={self.pages}, lock={self.lock})"
@@ -85,6 +106,10 @@ class RadixTree:
         self.page_size = page_size
         self.root = Node((), "root", None)
         self.evictions = 0  # pages freed by eviction
+        self.dead_evictions = 0  # of which dead KV
+        self.pinned: set[int] = set()  # node ids the current step reads or writes: kept
+        self._shape_version = 0  # bumped by every structural change
+        self._dead_cache: tuple[int, set[int]] = (-1, set())
 
     # ------------------------------------------------------------------ matching
     def match(self, keys: Sequence[Key]) -> list[Node]:
@@ -113,14 +138,19 @@ class RadixTree:
             path.append(best)
             i += len(best.key)
             node = best
-        now = time.monotonic()
-        for n in path:
-            n.last_used = now
         return path
+
+    @staticmethod
+    def touch(nodes: Iterator[Node] | Sequence[Node]) -> None:
+        """Refresh the LRU clock of nodes whose KV is being used."""
+        now = time.monotonic()
+        for n in nodes:
+            n.last_used = now
 
     def split(self, node: Node, n: int) -> Node:
         """Split token node at ``n`` (a page multiple): returns the new upper part."""
         assert n % self.page_size == 0 and 0 < n < len(node.key)
+        self._shape_version += 1
         upper = Node(node.key[:n], "tokens", node.parent, node.tok_start)
         upper.lock = node.lock
         upper.last_used = node.last_used
@@ -132,12 +162,14 @@ class RadixTree:
         siblings[siblings.index(node)] = upper
         node.key = node.key[n:]
         node.tok_start += n
+        node._held_ranges = None
         node.parent = upper
         upper.children = {node.key[0]: [node]}
         return upper
 
     # ------------------------------------------------------------------ insertion
     def add_child(self, parent: Node, key: tuple, kind: str, tok_start: int = 0) -> Node:
+        self._shape_version += 1
         child = Node(key, kind, parent, tok_start)
         parent.children.setdefault(key[0], []).append(child)
         return child
@@ -145,6 +177,7 @@ class RadixTree:
     def remove(self, node: Node) -> None:
         """Detach a childless, page-less node (a plan that was abandoned)."""
         assert not node.children and node.pages is None
+        self._shape_version += 1
         group = node.parent.children[node.key[0]]
         group.remove(node)
         if not group:
@@ -161,10 +194,8 @@ class RadixTree:
 
     @staticmethod
     def unlock(node: Node) -> None:
-        now = time.monotonic()
         while node is not None and node.kind != "root":
             node.lock -= 1
-            node.last_used = now
             assert node.lock >= 0, node
             node = node.parent
 
@@ -186,37 +217,59 @@ class RadixTree:
             for group in n.children.values():
                 stack.extend(group)
 
-    @staticmethod
-    def dropped_only(node: Node) -> bool:
-        """No descendant can ever attend to this node's KV again: every child is a repos
-        (which keeps its own copy) or a drop covering all of the node's tokens."""
-        if not node.children:
-            return False
-        held = set(node.token_ids())
-        for group in node.children.values():
-            for c in group:
-                if c.kind == "repos":
-                    continue
-                if c.kind == "drop":
-                    dropped = {t for a, b in c.key[0][1] for t in range(a, b)}
-                    if held <= dropped:
-                        continue
-                return False
-        return True
+    def dead(self) -> set[int]:
+        """Ids of nodes whose KV no stored path below them attends to again (cached per
+        tree shape). One post-order pass: ``covered[n]`` is the set of tokens every path
+        from ``n`` down to a leaf drops (a repos covers everything; a leaf, nothing)."""
+        version, cached = self._dead_cache
+        if version == self._shape_version:
+            return cached
+        order: list[Node] = []
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            for group in n.children.values():
+                stack.extend(group)
+        covered: dict[int, Ranges] = {}
+        dead: set[int] = set()
+        for n in reversed(order):  # children before parents
+            below: Ranges | None = None
+            for group in n.children.values():
+                for c in group:
+                    if c.kind == "repos":
+                        through = _ALL
+                    elif c.kind == "drop":
+                        through = _union(_to_ranges_pairs(c.key[0][1]), covered[c.id])
+                    else:
+                        through = covered[c.id]
+                    below = through if below is None else _intersect(below, through)
+            covered[n.id] = below or []
+            if n.kind in ("tokens", "repos") and _contains(covered[n.id], n.held_ranges()):
+                dead.add(n.id)
+        self._dead_cache = (self._shape_version, dead)
+        return dead
 
     def evict(self, pages_needed: int) -> int:
         """Free at least ``pages_needed`` pages if possible; returns pages freed.
 
-        Order: KV that only dropped histories reference goes first, then the rest by least
-        recent use. Locked nodes (on a running request's path) are never touched.
+        Order: dead KV first (see the module docstring; also under a lock), then unlocked
+        KV by least recent use. Nodes the current step reads or writes are never touched.
         """
-        cands = [n for n in self.nodes() if n.pages and n.lock == 0]
-        cands.sort(key=lambda n: (0 if self.dropped_only(n) else 1, n.last_used))
+        dead = self.dead()
+        cands = [
+            n
+            for n in self.nodes()
+            if n.pages and n.id not in self.pinned and (n.lock == 0 or n.id in dead)
+        ]
+        cands.sort(key=lambda n: (n.id not in dead, n.last_used))
         freed = 0
         for n in cands:
             if freed >= pages_needed:
                 break
             freed += len(n.pages)
+            if n.id in dead:
+                self.dead_evictions += len(n.pages)
             self.pool.free(n.pages)
             n.pages = None
         self.evictions += freed
@@ -235,6 +288,7 @@ class RadixTree:
                 self.pool.free(n.pages)
                 n.pages = None
         self.root.children = {}
+        self._shape_version += 1
 
 
 def _common_prefix(a: Sequence[Key], keys: Sequence[Key], start: int) -> int:
@@ -243,3 +297,53 @@ def _common_prefix(a: Sequence[Key], keys: Sequence[Key], start: int) -> int:
     while n < limit and a[n] == keys[start + n]:
         n += 1
     return n
+
+
+def _to_ranges(ids: Sequence[int]) -> Ranges:
+    """Sorted distinct ids -> ranges."""
+    out: Ranges = []
+    for t in ids:
+        if out and out[-1][1] == t:
+            out[-1] = (out[-1][0], t + 1)
+        else:
+            out.append((t, t + 1))
+    return out
+
+
+def _to_ranges_pairs(pairs: Sequence[tuple[int, int]]) -> Ranges:
+    return _union([], [(int(a), int(b)) for a, b in pairs if b > a])
+
+
+def _union(a: Ranges, b: Ranges) -> Ranges:
+    out: Ranges = []
+    for lo, hi in sorted(a + b):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _intersect(a: Ranges, b: Ranges) -> Ranges:
+    out: Ranges = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _contains(outer: Ranges, inner: Ranges) -> bool:
+    """Every range of ``inner`` lies inside one range of ``outer`` (both normalised)."""
+    j = 0
+    for lo, hi in inner:
+        while j < len(outer) and outer[j][1] < hi:
+            j += 1
+        if j == len(outer) or outer[j][0] > lo:
+            return False
+    return True
