@@ -123,6 +123,26 @@ def test_serial_concurrent_flush_and_tiny_pool(model):
     assert small.flush_cache() and small.pool.used_pages == 0
 
 
+def test_dead_kv_is_evicted_not_recomputed(model):
+    """A rolling drop's dead KV is freed without hurting the next turn: nothing recomputes it,
+    it counts as cached, and the answer still equals the dense reference."""
+    m, dm = model
+    segs = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [17, 18, 19]]
+    cache = {"drop": {"2": [1]}, "reposition": []}
+    eng = Engine(m, max_total_tokens=1024, page_size=4, attention_backend="reference")
+    check(dm, [(segs, cache)], run(eng, [(segs, cache)], concurrent=False))
+    dead = eng.tree.dead()
+    assert dead  # segment 1's node: every stored path below drops it
+    assert {n.token_ids() for n in eng.tree.nodes() if n.id in dead} == {tuple(range(7, 16))}
+    freed = eng.tree.evict(len([n for n in eng.tree.nodes() if n.id in dead][0].pages))
+    assert freed == eng.tree.dead_evictions == 3  # nothing live went
+    nxt = (segs + [[20, 21, 22, 23, 24]], cache)
+    (result,) = run(eng, [nxt], concurrent=False)
+    check(dm, [nxt], [result])
+    assert result[2]["cached_tokens"] == 19  # all but the new segment: reused or dead
+    assert eng.counters["restores"] == 0
+
+
 def test_isolation_shared_prefix_different_ops(model):
     m, dm = model
     base = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14, 15]]

@@ -431,6 +431,9 @@ class Engine:
             if node.kind == "tokens":
                 toks = node.token_ids()
                 if node.pages is None:  # emptied and, by _choose_compute, never read here
+                    # Dropped before anything computed now could see it: served by the cache
+                    # state (nothing recomputes it), so it counts as cached, like reused KV.
+                    cached += len(toks)
                     view.append(node)
                     continue
                 slots = _slots(node.pages, len(node.key), ps)
