@@ -18,21 +18,27 @@ OPS = [("repos",), ("drop", ((0, 2),)), ("drop", ((1, 3), (5, 6)))]
 
 
 def insert(tree: RadixTree, keys: list) -> list:
-    """Insert like the engine: match, then one node per token run / op, pages allocated."""
+    """Insert like the engine: match, then one node per token run / op, pages allocated.
+    Token nodes carry absolute *token* indices (ops not counted), so that drop ranges name
+    the tokens they drop; a repos node gets one page."""
     path = tree.match(keys)
     i = sum(len(n.key) for n in path)
+    tok = sum(1 for k in keys[:i] if isinstance(k, int))
     parent = path[-1] if path else tree.root
     while i < len(keys):
         if isinstance(keys[i], int):
             j = i
             while j < len(keys) and isinstance(keys[j], int):
                 j += 1
-            node = tree.add_child(parent, tuple(keys[i:j]), "tokens", i)
+            node = tree.add_child(parent, tuple(keys[i:j]), "tokens", tok)
             node.pages = tree.alloc(-(-(j - i) // tree.page_size))
-            assert node.pages is not None
+            tok += j - i
             i = j
         else:
             node = tree.add_child(parent, (keys[i],), keys[i][0])
+            if keys[i][0] == "repos":
+                node.held_tokens = tuple(range(tok))  # what it holds does not matter here
+                node.pages = tree.alloc(1)
             i += 1
         path.append(node)
         parent = node
@@ -84,33 +90,6 @@ def test_match_equals_brute_force(page_size):
             stored.append(keys)
         if rng.random() < 0.1:  # evictions empty nodes but never change what matches
             tree.evict(rng.randint(1, 50))
-
-
-def insert_tokens(tree: RadixTree, keys: list) -> list:
-    """Like ``insert``, but token nodes carry absolute *token* indices (ops not counted), as
-    the engine's do, so that drop ranges name the tokens they drop."""
-    path = tree.match(keys)
-    i = sum(len(n.key) for n in path)
-    tok = sum(1 for k in keys[:i] if isinstance(k, int))
-    parent = path[-1] if path else tree.root
-    while i < len(keys):
-        if isinstance(keys[i], int):
-            j = i
-            while j < len(keys) and isinstance(keys[j], int):
-                j += 1
-            node = tree.add_child(parent, tuple(keys[i:j]), "tokens", tok)
-            node.pages = tree.alloc(-(-(j - i) // tree.page_size))
-            tok += j - i
-            i = j
-        else:
-            node = tree.add_child(parent, (keys[i],), keys[i][0])
-            if keys[i][0] == "repos":
-                node.held_tokens = tuple(range(tok))  # what it holds does not matter here
-                node.pages = tree.alloc(1)
-            i += 1
-        path.append(node)
-        parent = node
-    return path
 
 
 def brute_dead(tree: RadixTree) -> set[int]:
@@ -180,7 +159,7 @@ def test_dead_equals_brute_force(seed):
             keys = base[: rng.randint(1, len(base))] + agent_keys(rng, rng.randint(1, 4))
         else:
             keys = agent_keys(rng, rng.randint(2, 8))
-        insert_tokens(tree, keys)
+        insert(tree, keys)
         stored.append(keys)
         dead = tree.dead()
         assert dead == brute_dead(tree)
@@ -193,12 +172,12 @@ def test_rolling_drop_kv_is_dead_and_goes_first_even_when_locked():
     pool = PagePool(64)
     tree = RadixTree(pool, ps)
     # turn 1: tool (0..3) + reasoning (4..5); turn 2 drops the tool 2 segments later
-    insert_tokens(tree, [1, 2, 3, 4])  # turn 1 (the engine makes a node per segment)
-    a = insert_tokens(tree, [1, 2, 3, 4, 5, 6, 7, 8, ("drop", ((0, 4),)), 9, 9])
+    insert(tree, [1, 2, 3, 4])  # turn 1 (the engine makes a node per segment)
+    a = insert(tree, [1, 2, 3, 4, 5, 6, 7, 8, ("drop", ((0, 4),)), 9, 9])
     tool, reasoning, later = a[0], a[1], a[-1]
     assert tree.dead() == {tool.id}
     # a running request holds the path; another trajectory is idle and older
-    b = insert_tokens(tree, [5, 5, 5, 5])
+    b = insert(tree, [5, 5, 5, 5])
     for n in b:
         n.last_used -= 10
     tree.lock(later)
@@ -210,7 +189,7 @@ def test_rolling_drop_kv_is_dead_and_goes_first_even_when_locked():
     tree.evict(100)
     assert b[0].pages is None and reasoning.pages is not None and later.pages is not None
     # a branch that keeps the tool visible makes it live again
-    insert_tokens(tree, [1, 2, 3, 4, 5, 6, 7, 8, 3, 3])
+    insert(tree, [1, 2, 3, 4, 5, 6, 7, 8, 3, 3])
     assert tool.id not in tree.dead()
     tree.unlock(later)
     tree.flush()
@@ -220,8 +199,8 @@ def test_rolling_drop_kv_is_dead_and_goes_first_even_when_locked():
 def test_pinned_nodes_are_kept_and_match_does_not_refresh():
     pool = PagePool(8)
     tree = RadixTree(pool, 1)
-    insert_tokens(tree, [1])
-    a = insert_tokens(tree, [1, 2, ("drop", ((0, 1),)), 3])
+    insert(tree, [1])
+    a = insert(tree, [1, 2, ("drop", ((0, 1),)), 3])
     old = a[0].last_used
     tree.match([1, 2, ("drop", ((0, 1),)), 3])
     assert a[0].last_used == old  # passing over KV is not using it
@@ -237,9 +216,9 @@ def test_eviction_order_locks_and_flush():
     pool = PagePool(64)
     tree = RadixTree(pool, ps)
     # path A: tokens 0..5 (3 pages), then a drop of all of them, then tokens (2 pages)
-    a = insert_tokens(tree, [1, 2, 3, 4, 5, 6, ("drop", ((0, 6),)), 7, 8, 9])
+    a = insert(tree, [1, 2, 3, 4, 5, 6, ("drop", ((0, 6),)), 7, 8, 9])
     # path B: unrelated tokens (2 pages), locked as if a request ran on it
-    b = insert_tokens(tree, [9, 9, 9, 9])
+    b = insert(tree, [9, 9, 9, 9])
     tree.lock(b[-1])
     used = pool.used_pages
     assert tree.dead() == {a[0].id}

@@ -72,7 +72,11 @@ def test_disaggregated_matches_colocated():
     colo = Engine(model, max_total_tokens=2048, page_size=8, attention_backend="reference")
     want = run(colo, reqs, concurrent=True)
     need = max(
-        colo._pages_bound(timeline([len(x) for x in segs], parse_history(c, len(segs))), 4)
+        colo._pages_bound(
+            timeline([len(x) for x in segs], parse_history(c, len(segs))),
+            4,
+            parse_history(c, len(segs)),
+        )
         for segs, c in reqs
     )
     small = 8 * need  # a pool that holds just the largest request: evictions and restores
