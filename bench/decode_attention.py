@@ -47,6 +47,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
 
 from akv_jax.model.config import ModelConfig, RopeConfig, tiny_config
 from akv_jax.model.forward import KVPool, KVWrites, forward
@@ -276,21 +277,6 @@ def plot(results: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def git_head() -> str:
-    """HEAD of the checkout the numbers came from ("+dirty" when the tree has changes)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                              capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, text=True,
-                               capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def main(argv: list[str] | None = None) -> int:

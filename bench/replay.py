@@ -65,6 +65,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+
 from akv_jax.agent import launch
 from akv_jax.agent.cost import RATES, cost_usd, total_usage
 from akv_jax.agent.offline import offline_usage
@@ -310,21 +312,6 @@ def settings(args: argparse.Namespace, spec: TrajectorySpec) -> dict:
             "loadavg_start": os.getloadavg(),
         },
     }
-
-
-def git_head() -> str:
-    """HEAD of the checkout the numbers came from ("+dirty" when the tree has changes)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                              capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, text=True,
-                               capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def main(argv: list[str] | None = None) -> int:
