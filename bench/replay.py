@@ -76,6 +76,7 @@ from akv_jax.agent.policies import (
     PAPER_STANDARD_THRESHOLD,
     PAPER_SUMMARY_TOKENS,
     PAPER_TEXT_ENGINEERING_THRESHOLD,
+    REPLAY_SCALE,
     Scale,
     make_policy,
 )
@@ -99,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="runs of each cell, methods in ABBA order, pooled (default 1 with --quick, else 2)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--context", type=int, default=32768,
+    p.add_argument("--context", type=int, default=REPLAY_SCALE.context,
                    help="position limit the tiny model is served with; the paper's context "
                         "settings are scaled by context / 131072")
     p.add_argument("--max-total-tokens", type=int, default=131072, help="server KV pool")

@@ -33,12 +33,13 @@ import random
 from collections.abc import Iterator
 
 from akv_jax.agent.messages import Message, synthetic_tokens
+from akv_jax.agent.policies import REPLAY_SCALE
 
 
 @dataclasses.dataclass(frozen=True)
 class TrajectorySpec:
     vocab_size: int = 512
-    context: int = 32768
+    context: int = REPLAY_SCALE.context  # the replay's window (1/4 of the paper's)
     system_tokens: int = 48
     task_range: tuple[int, int] = (16, 64)
     output_range: tuple[int, int] = (20, 200)

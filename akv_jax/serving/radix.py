@@ -224,16 +224,9 @@ class RadixTree:
         version, cached = self._dead_cache
         if version == self._shape_version:
             return cached
-        order: list[Node] = []
-        stack = [self.root]
-        while stack:
-            n = stack.pop()
-            order.append(n)
-            for group in n.children.values():
-                stack.extend(group)
         covered: dict[int, Ranges] = {}
         dead: set[int] = set()
-        for n in reversed(order):  # children before parents
+        for n in reversed(list(self.nodes())):  # nodes() is pre-order: children come first
             below: Ranges | None = None
             for group in n.children.values():
                 for c in group:
