@@ -277,6 +277,20 @@ def test_dispatch_pallas_on_cpu_runs_the_kernel():
     _assert_close(auto_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)
 
 
+def test_every_backend_reads_one_layer_of_a_stacked_pool():
+    """``layer=``: the pools hold every layer and attention reads that one in place; the
+    answer equals the reference on that layer's pool alone (other layers hold other data)."""
+    case = make("restore", page_size=16)
+    rng = np.random.default_rng(9)
+    q, k, v, batch = cases.materialize(case, rng, num_kv_heads=2, group=3, head_dim=16)
+    noise = [jnp.asarray(rng.standard_normal(k.shape), k.dtype) for _ in range(2)]
+    k_all, v_all = jnp.stack([noise[0], k, noise[1]]), jnp.stack([noise[1], v, noise[0]])
+    ref = segment_attention_reference(q, k, v, batch, block_q=case.block_q, sm_scale=0.25)
+    for backend, platform in (("reference", None), ("auto", "cpu"), ("pallas", None)):
+        fn = make_attention_fn(backend, block_q=case.block_q, sm_scale=0.25, platform=platform)
+        _assert_close(fn(q, k_all, v_all, batch, layer=jnp.int32(1)), ref, jnp.float32)
+
+
 # --------------------------------------------------------------------------------- model
 
 
