@@ -6,11 +6,14 @@ Request life cycle:
 1. ``add_request`` validates and queues. The request's history is flattened into radix keys
    (tokens and op items) and its :class:`Timeline` says, for every token, its positions in
    every version and which segments see it.
-2. Prefill, in **one pass** per request: match the longest stored prefix; decide which nodes
-   must be computed (new nodes, the last token node for its logits, and any emptied node
-   whose KV is still visible to something computed: that is the one-pass restore); lay out
-   pages; keys that a repos re-encodes are written once per position version by the same
-   forward, or re-rotated from resident pages before it (pre-pass copies).
+2. Prefill, planned as **one pass** per request: match the longest stored prefix; decide which
+   nodes must be computed (new nodes, the last token node for its logits, and any emptied
+   node whose KV is still visible to something computed: that is the one-pass restore); lay
+   out pages; keys that a repos re-encodes are written once per position version by the same
+   forward, or re-rotated from resident pages before it (pre-pass copies). The pass runs in
+   slices of at most ``prefill_chunk`` rows over consecutive steps (chunked prefill), so a
+   long prompt never stalls running decodes for more than one slice; rows only read KV of
+   earlier rows, which earlier slices have written.
 3. Decode: one token per running request per step, its view the request's final version.
 4. Finish: generated tokens become a token node, the path is unlocked.
 
@@ -108,7 +111,7 @@ class _Request:
     tok_index: list[int]
     key_boundary: list[int]
     arrival: float
-    status: str = "waiting"  # waiting | decode | done
+    status: str = "waiting"  # waiting | prefill | decode | done
     last_node: Node | None = None
     prompt_last_node: Node | None = None
     # The final version's view, snapshotted as pages and slot tokens: nodes may be split
@@ -120,6 +123,8 @@ class _Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
     rng: np.random.Generator | None = None
+    prefill: _Pass | None = None  # the planned pass while it runs, slice by slice
+    prefill_done: int = 0  # rows of it already run
 
     @property
     def rid(self) -> str:
@@ -135,8 +140,29 @@ class _Pass:
     writes: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
     segments: list[SegmentSpec] = dataclasses.field(default_factory=list)
     copies: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
-    logits_row: int = -1
+    logits_row: int = -1  # -1: no logits wanted (a slice before the last)
     written_pages: list[int] = dataclasses.field(default_factory=list)
+
+    def slice(self, a: int, b: int) -> _Pass:
+        """Rows ``[a, b)`` as a pass of their own: segments cut to those rows (a cut
+        segment's first row moves ``causal_pos`` on; its view and pages stay), pre-pass copies
+        with the first slice (their sources are resident), logits with the slice holding
+        ``logits_row``."""
+        segs = []
+        for s in self.segments:
+            lo, hi = max(a, s.q_start), min(b, s.q_start + s.q_len)
+            if lo < hi:
+                segs.append(dataclasses.replace(
+                    s, q_start=lo - a, q_len=hi - lo, causal_pos=s.causal_pos + lo - s.q_start
+                ))
+        return _Pass(
+            tokens=self.tokens[a:b],
+            q_pos=self.q_pos[a:b],
+            writes=self.writes[a:b],
+            segments=segs,
+            copies=self.copies if a == 0 else [],
+            logits_row=self.logits_row - a if a <= self.logits_row < b else -1,
+        )
 
 
 class Engine:
@@ -196,6 +222,7 @@ class Engine:
             restored_tokens=0,
             requests_finished=0,
         )
+        self.prefilling: dict[str, _Request] = {}  # admitted, prefill slices still to run
         self._step_id = 0
         self._attn = {
             bq: attention_fn(self.cfg, attention_backend, bq) for bq in (1, PREFILL_BLOCK_Q)
@@ -258,12 +285,23 @@ class Engine:
         r = self.running.pop(rid, None)
         if r is not None:
             self._release(r, insert=False)
+        r = self.prefilling.pop(rid, None)
+        if r is not None:
+            # Part of its KV is unwritten: the nodes it computes go back to evicted (a later
+            # request recomputes them) before anyone may match them.
+            for n in self.tree.path_to(r.last_node):
+                if n.writer == r.rid:
+                    n.writer = None
+                    if n.pages is not None:
+                        self.pool.free(n.pages)
+                        n.pages = None
+            self._release(r, insert=False)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def flush_cache(self) -> bool:
-        if self.running:
+        if self.running or self.prefilling:
             return False
         self.tree.flush()
         return True
@@ -275,9 +313,52 @@ class Engine:
             dead_evictions=self.tree.dead_evictions,
             pool_used_pages=self.pool.used_pages,
             pool_total_pages=self.num_pages,
-            running=len(self.running),
+            running=len(self.running) + len(self.prefilling),
             waiting=len(self.waiting),
         )
+
+    def warm_up_shapes(self) -> int:
+        """Run every step shape of the common path once, so no request pays for a compile
+        (or, with the persistent cache, for tracing and loading one: ~0.7 s a shape for the
+        tiny model): prefill forwards of each token bucket up to ``prefill_chunk`` and decode
+        forwards of each row bucket up to ``max_running``, each at every view bucket up to
+        the position limit (one segment per request, no repos). The dummy rows write to the
+        sentinel slot (dropped) and see no KV, so the pool is untouched. Returns the number
+        of shapes run."""
+        ps = self.page_size
+        sentinel = self.num_pages * ps
+
+        def buckets(limit: int, minimum: int, steps: int = 1) -> list[int]:
+            out, n = [], 1
+            while n <= limit:
+                out.append(bucket(n, minimum, steps_per_octave=steps))
+                n = out[-1] + 1
+            return out
+
+        views = buckets(-(-self.cfg.max_position_embeddings // ps), max(1, 4096 // ps))
+
+        def dummy(n_rows: int, n_pages: int) -> _Pass:
+            return _Pass(
+                tokens=[0] * n_rows,
+                q_pos=[0] * n_rows,
+                writes=[[(sentinel, 0)] for _ in range(n_rows)],
+                segments=[SegmentSpec(q_start=0, q_len=n_rows, pages=[0] * n_pages,
+                                      kv_visible=np.zeros(n_pages * ps, bool), causal_pos=0)],
+                logits_row=n_rows - 1,
+            )
+
+        shapes = 0
+        for n_pages in views:
+            for n in buckets(self.prefill_chunk, PREFILL_BLOCK_Q, 2):
+                if n <= n_pages * ps:
+                    p = dummy(n, n_pages)
+                    jax.block_until_ready(self._run(self.prefill, [(None, p)], PREFILL_BLOCK_Q))
+                    shapes += 1
+            for rows in buckets(self.max_running, 8):
+                work = [(None, dummy(1, n_pages)) for _ in range(rows)]
+                jax.block_until_ready(self._run(self.decode, work, block_q=1))
+                shapes += 1
+        return shapes
 
     # ------------------------------------------------------------------ planning
     def _visible(self, tl: Timeline, toks, seg: int) -> np.ndarray:
@@ -383,9 +464,9 @@ class Engine:
                     self.tree.remove(node)
             return None
 
-        if any(n.busy_step == self._step_id for n in path):
-            # Another request computes part of this path in this step; its pages are
-            # written during the forward, too late for this request's pre-pass copies.
+        if any(n.busy_step == self._step_id or n.writer is not None for n in path):
+            # Another request computes part of this path in this step, or in slices still to
+            # run: its pages are not written yet (too late for this pass's pre-pass copies).
             return give_up()
         compute, needed = self._choose_compute(r, path, fresh)
         used = [n for n in path if n.id in compute or n.id in needed]
@@ -414,7 +495,7 @@ class Engine:
             )
         for n in path:
             if n.id in compute:
-                n.busy_step = self._step_id
+                n.writer = r.rid  # until the step of its last slice (see step())
         p = self._lay_out(r, path, compute)
         p.written_pages = [pg for n in path if n.id in compute for pg in n.pages]
         return p
@@ -500,21 +581,34 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         self._step_id += 1
         self.tree.pinned.clear()
-        passes: list[tuple[_Request, _Pass]] = []
+        # Prefill slices, at most ``prefill_chunk`` rows in all: first the passes already
+        # under way (oldest first), then newly admitted requests.
+        slices: list[tuple[_Request, _Pass]] = []
         budget = self.prefill_chunk
-        while self.waiting and len(self.running) + len(passes) < self.max_running:
-            r = self.waiting[0]
-            if passes and budget < r.tl.num_tokens:
+        for r in self.prefilling.values():
+            # Its whole path stays pinned until the last slice: dead KV that later rows
+            # still read must not be evicted by this step's allocations.
+            self.tree.pinned.update(n.id for n in self.tree.path_to(r.last_node))
+        for r in list(self.prefilling.values()):
+            if budget <= 0:
                 break
+            budget -= self._take_slice(r, budget, slices)
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.prefilling) < self.max_running
+        ):
+            r = self.waiting[0]
             p = self._plan(r)
             if p is None:
                 break
             self.waiting.popleft()
-            passes.append((r, p))
-            budget -= len(p.tokens)
+            r.prefill, r.prefill_done, r.status = p, 0, "prefill"
+            self.prefilling[r.rid] = r
             self.counters["cache_queries"] += 1
             self.counters["cache_query_tokens"] += r.tl.num_tokens
             self.counters["cache_hit_tokens"] += r.cached_tokens
+            budget -= self._take_slice(r, budget, slices)
         decoders = [r for r in self.running.values() if r.status == "decode"]
         events: list[TokenEvent] = []
         decode_pass: list[tuple[_Request, _Pass]] = []
@@ -525,33 +619,53 @@ class Engine:
                 stalled.append(r)
                 continue
             decode_pass.append((r, dp))
-        if stalled and not decode_pass and not passes:
+        if stalled and not decode_pass and not slices:
             # Nobody else can free pages: only then give up on the stalled requests.
             events.extend(self._finish(r, "abort") for r in stalled)
-        work = passes + decode_pass
-        if not work:
+        if not slices and not decode_pass:
             return events
-        # Prefill passes and decode rows run as two forwards, as SGLang runs prefill and
+        # Prefill slices and decode rows run as two forwards, as SGLang runs prefill and
         # decode batches: a prefill wants wide query blocks, a decode row one query, and one
         # block size for both would pad every decode row to a prefill block. Disaggregated,
-        # they run on their own groups (the prefill's pages are handed over first), and
-        # both are dispatched before either result is read, so they overlap.
+        # they run on their own groups (a finished prefill's pages are handed over first),
+        # and both are dispatched before either result is read, so they overlap.
         parts = []
-        if passes:
-            parts.append(self._run(self.prefill, passes, block_q=PREFILL_BLOCK_Q))
+        if slices:
+            parts.append(self._run(self.prefill, slices, block_q=PREFILL_BLOCK_Q))
             if self.prefill is not self.decode:
-                written = [pg for _, p in passes for pg in p.written_pages]
+                done = [r for r, sl in slices if sl.logits_row >= 0]
+                written = [pg for r in done for pg in r.prefill.written_pages]
                 transfer_pages(self.prefill, self.decode, written)
         if decode_pass:
             parts.append(self._run(self.decode, decode_pass, block_q=1))
-        logits = [row for part in parts for row in np.asarray(part)]
-        logits = [np.asarray(row) for row in logits]
-        for (r, _), row in zip(work, logits, strict=True):
-            if r.status == "waiting":
-                r.status = "decode"
-                self.running[r.rid] = r
+        logits = [np.asarray(row) for part in parts for row in np.asarray(part)]
+        with_logits = [r for r, p in slices + decode_pass if p.logits_row >= 0]
+        for r, row in zip(with_logits, logits, strict=True):
+            if r.status == "prefill":
+                self._prefill_done(r)
             events.extend(self._sample(r, row))
         return events
+
+    def _take_slice(self, r: _Request, budget: int, slices: list) -> int:
+        """Queue the next slice (at most ``budget`` rows) of ``r``'s pass; rows taken."""
+        p, a = r.prefill, r.prefill_done
+        b = min(len(p.tokens), a + budget)
+        slices.append((r, p.slice(a, b)))
+        r.prefill_done = b
+        if b == len(p.tokens):
+            # Its nodes are written by the end of this step's forward: from the next step on
+            # other requests may read them (this step's plans must still wait).
+            for n in self.tree.path_to(r.last_node):
+                if n.writer == r.rid:
+                    n.writer = None
+                    n.busy_step = self._step_id
+        return b - a
+
+    def _prefill_done(self, r: _Request) -> None:
+        del self.prefilling[r.rid]
+        r.prefill = None
+        r.status = "decode"
+        self.running[r.rid] = r
 
     def _decode_pass(self, r: _Request) -> _Pass | None:
         ps = self.page_size
@@ -596,7 +710,8 @@ class Engine:
             writes += p.writes
             segs += [dataclasses.replace(s, q_start=s.q_start + off) for s in p.segments]
             copies += p.copies
-            rows.append(off + p.logits_row)
+            if p.logits_row >= 0:
+                rows.append(off + p.logits_row)
         if copies:
             group.rerotate_copy(copies, self.rope)
         # Few shapes, so that a few compiled programs serve every step: the token count in
@@ -854,7 +969,7 @@ class AsyncEngine:
             try:
                 events = eng.step()
             except Exception as e:  # never leave a client hanging on an engine fault
-                for rid in list(eng.running) + [r.rid for r in eng.waiting]:
+                for rid in [*eng.running, *eng.prefilling, *(r.rid for r in eng.waiting)]:
                     self._deliver(rid, RuntimeError(f"engine error: {e}"))
                     eng.abort(rid)
                 continue

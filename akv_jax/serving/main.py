@@ -11,6 +11,7 @@ import argparse
 import logging
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -88,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=_positive("--max-running-requests"),
                    default=16)
     p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=4096,
-                   help="most prompt tokens prefilled in one scheduler step")
+                   help="most prompt tokens computed in one scheduler step; a longer prefill "
+                        "runs in slices over several steps while running requests decode")
     p.add_argument("--max-new-tokens-limit", type=_positive("--max-new-tokens-limit"),
                    default=32768, help="largest max_new_tokens / max_tokens a request may ask")
     p.add_argument("--compile-cache-dir", default=None,
@@ -97,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "turns it off)")
     p.add_argument("--skip-warmup", action="store_true",
                    help="do not compile the forward pass with a dummy request before serving")
+    p.add_argument("--warmup-shapes", action="store_true",
+                   help="before serving, run every prefill and decode step shape up to "
+                        "--prefill-chunk tokens, --max-running-requests rows and the position "
+                        "limit, so that no request waits for a compile (~1 s a shape with a "
+                        "warm compile cache, more on a cold one)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
@@ -141,8 +148,9 @@ def _url(sock: socket.socket, host: str) -> str:
     return f"http://{shown}:{port}"
 
 
-def warmup(engine) -> None:
-    """Compile the prefill and decode shapes a short request uses, then forget it."""
+def warmup(engine, all_shapes: bool = False) -> None:
+    """Compile the prefill and decode shapes a short request uses, then forget it; with
+    ``all_shapes``, every step shape of the common path too (Engine.warm_up_shapes)."""
     from akv_jax.cache.ops import OpHistory
     from akv_jax.serving.engine import GenerateRequest, SamplingParams
 
@@ -152,6 +160,10 @@ def warmup(engine) -> None:
     while engine.has_work():
         engine.step()
     engine.flush_cache()
+    if all_shapes:
+        t = time.perf_counter()
+        n = engine.warm_up_shapes()
+        log.info("ran %d step shapes in %.0f s (--warmup-shapes)", n, time.perf_counter() - t)
 
 
 def init_distributed(args: argparse.Namespace) -> None:
@@ -240,7 +252,8 @@ def build_engine(args: argparse.Namespace):
             disaggregate=args.disaggregate,
         )
         if not args.skip_warmup:
-            warmup(engine)  # every process of a multi-host run warms up alike, in step
+            # every process of a multi-host run warms up alike, in step
+            warmup(engine, args.warmup_shapes)
     except Exception as e:
         log.debug("engine start failed", exc_info=True)
         raise StartupError(f"cannot start the engine for {what}: {e}") from None

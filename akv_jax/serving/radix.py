@@ -55,6 +55,7 @@ class Node:
         "tok_start",
         "held_tokens",
         "busy_step",
+        "writer",
         "_held_ranges",
     )
 
@@ -70,6 +71,7 @@ class Node:
         self.tok_start = tok_start  # absolute index of the first token (token nodes)
         self.held_tokens: tuple[int, ...] = ()  # absolute token ids a repos node holds
         self.busy_step = -1  # the scheduler step whose forward writes this node's KV
+        self.writer: str | None = None  # request whose prefill, still running, writes it
         self._held_ranges: Ranges | None = None
 
     @property
@@ -155,6 +157,7 @@ class RadixTree:
         upper.lock = node.lock
         upper.last_used = node.last_used
         upper.busy_step = node.busy_step
+        upper.writer = node.writer
         if node.pages is not None:
             upper.pages = node.pages[: n // self.page_size]
             node.pages = node.pages[n // self.page_size :]
