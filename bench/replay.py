@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=REPLAY_SCALE.context,
                    help="position limit the tiny model is served with; the paper's context "
                         "settings are scaled by context / 131072")
+    p.add_argument("--turns", type=int, default=TrajectorySpec.max_turns,
+                   help="turns per trajectory (TrajectorySpec.max_turns)")
     p.add_argument("--max-total-tokens", type=int, default=131072, help="server KV pool")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running-requests", type=int, default=16)
@@ -317,7 +319,7 @@ def settings(args: argparse.Namespace, spec: TrajectorySpec) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    spec = TrajectorySpec(context=args.context)
+    spec = TrajectorySpec(context=args.context, max_turns=args.turns)
     t_start = time.perf_counter()
     config = settings(args, spec)
     server = None
@@ -334,7 +336,12 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.page_size),
                 "--max-running-requests",
                 str(args.max_running_requests),
-            ]
+                # Every step shape before the first cell: otherwise the first cell to meet a
+                # shape pays ~0.7 s to trace and load it, and that is always AKV's (it runs
+                # first), which cost it 20-30% of a 30-s window.
+                "--warmup-shapes",
+            ],
+            timeout_s=900,
         )
         url = server.url
         print(f"server {url} ready after {time.perf_counter() - t_start:.0f} s", flush=True)
