@@ -1,20 +1,22 @@
 """Replay benchmark: the paper's Table 2 protocol, scaled to the tiny model on this machine.
 
-    python bench/replay.py --quick          # ~9 min on 2 CPU cores: AKV vs Standard, C=2,4,8
+    python bench/replay.py --quick          # ~9-10 min on 2 CPU cores: AKV vs Standard, C=2,4,8
     python bench/replay.py                  # + Text Engineering, C=1..16, longer windows
     python bench/replay.py --url http://127.0.0.1:30000   # against a server you started
 
 What runs. A tiny-model server (``--model-path tiny --context-length 32768``, a 131,072-token
 KV pool, 127.0.0.1, ``--port 0``) is started as a subprocess and stopped at the end; its XLA
 programs are cached on disk (``--compile-cache-dir``, default ~/.cache/akv_jax/xla), so the
-first run on a machine also compiles (a few minutes more) and later runs do not. Seeded
+first run on a machine also compiles (a few minutes more) and later runs do not. Before
+serving it runs every step shape once (``--warmup-shapes``, ~1 min with a warm cache): a shape
+met for the first time inside a cell would cost that cell ~0.7 s. Seeded
 synthetic trajectories (:mod:`akv_jax.agent.trajectory`: shared 48-token system prompt,
-16-64-token task, 40 turns, per turn a 20-200-token output budget and a 100-2,000-token tool
-response, log-uniform; ~28K tokens each) are replayed per method (:mod:`akv_jax.agent.replay`):
-turns of a trajectory run in order, ``concurrency`` trajectories run in parallel, temperature
-0, ``ignore_eos``, the recorded output budgets, recorded tool responses, generated tokens kept
-as the next assistant message. Methods (:mod:`akv_jax.agent.policies`, paper thresholds scaled
-by 32768/131072 = 1/4):
+16-64-token task, 40 turns (``--turns``), per turn a 20-200-token output budget and a
+100-2,000-token tool response, log-uniform; ~28K tokens each) are replayed per method
+(:mod:`akv_jax.agent.replay`): turns of a trajectory run in order, ``concurrency``
+trajectories run in parallel, temperature 0, ``ignore_eos``, the recorded output budgets,
+recorded tool responses, generated tokens kept as the next assistant message. Methods
+(:mod:`akv_jax.agent.policies`, paper thresholds scaled by 32768/131072 = 1/4):
 
 * ``akv``: rolling drop keeping the 12 most recent tool responses, repos at 24,576 positions;
 * ``standard``: Pi-style compaction at 24,576 prompt tokens (keepRecentTokens 5,000, a

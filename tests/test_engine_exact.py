@@ -93,6 +93,20 @@ def check(dm, reqs, results):
         assert meta["prompt_tokens"] == sum(map(len, segs))
 
 
+def smallest_engine(m, reqs, **kw) -> Engine:
+    """An engine (page size 8) whose pool holds just the largest of ``reqs``."""
+    probe = Engine(m, max_total_tokens=8, page_size=8, attention_backend="reference")
+    need = max(
+        probe._pages_bound(
+            timeline([len(x) for x in segs], parse_history(c, len(segs))),
+            N_NEW,
+            parse_history(c, len(segs)),
+        )
+        for segs, c in reqs
+    )
+    return Engine(m, max_total_tokens=8 * need, page_size=8, attention_backend="reference", **kw)
+
+
 def test_serial_concurrent_flush_and_tiny_pool(model):
     m, dm = model
     reqs = random_requests(np.random.default_rng(11), 50)
@@ -107,15 +121,7 @@ def test_serial_concurrent_flush_and_tiny_pool(model):
     assert eng.pool.used_pages == 0  # no page leaks
     check(dm, reqs, run(eng, reqs, concurrent=True))
     # A pool that holds just the largest request: most state is evicted and restored.
-    need = max(
-        eng._pages_bound(
-            timeline([len(x) for x in segs], parse_history(c, len(segs))),
-            N_NEW,
-            parse_history(c, len(segs)),
-        )
-        for segs, c in reqs
-    )
-    small = Engine(m, max_total_tokens=8 * need, page_size=8, attention_backend="reference")
+    small = smallest_engine(m, reqs)
     check(dm, reqs, run(small, reqs, concurrent=False))
     assert small.tree.evictions > 0
     assert small.tree.dead_evictions > 0  # dropped / superseded KV went first
@@ -211,16 +217,7 @@ def test_chunked_prefill_matches_reference(model):
     eng = Engine(m, max_total_tokens=4096, page_size=8, attention_backend="reference",
                  prefill_chunk=3)
     check(dm, reqs, run(eng, reqs, concurrent=True))
-    need = max(
-        eng._pages_bound(
-            timeline([len(x) for x in segs], parse_history(c, len(segs))),
-            N_NEW,
-            parse_history(c, len(segs)),
-        )
-        for segs, c in reqs
-    )
-    small = Engine(m, max_total_tokens=8 * need, page_size=8, attention_backend="reference",
-                   prefill_chunk=3)
+    small = smallest_engine(m, reqs, prefill_chunk=3)
     check(dm, reqs, run(small, reqs, concurrent=False))
     assert small.counters["restores"] > 0
     assert small.flush_cache() and small.pool.used_pages == 0

@@ -106,6 +106,27 @@ def test_api_key_server():
     assert "Traceback" not in "".join(srv.stderr_lines)
 
 
+def test_warmup_shapes_and_chunked_prefill_server():
+    """--warmup-shapes runs every step shape before the ready line (4,096 positions, chunk
+    128, 8 rows: prefill T 64 and 128, decode 8 rows); a 300-token prompt then prefills in
+    three slices and answers as the same prompt does on a server without chunking."""
+    body = {"input_ids": [list(range(1, 151)), list(range(151, 301))],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    outs = []
+    for extra in (["--warmup-shapes", "--prefill-chunk", "128", "--max-running-requests", "8",
+                   "--log-level", "info"], []):
+        srv = ServerProcess([*TINY_ARGS, *extra])
+        try:
+            r = httpx.post(srv.url + "/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            outs.append(r.json()["output_ids"])
+        finally:
+            srv.stop()
+        if extra:
+            assert any("ran 3 step shapes" in line for line in srv.stderr_lines), srv.stderr_lines
+    assert len(outs[0]) == 4 and outs[0] == outs[1]
+
+
 @pytest.mark.slow
 def test_default_model_with_no_flags(default_model_cache):
     """The embedded SmolLM2-135M-Instruct on 127.0.0.1:30000 (the conftest fixture converts it
