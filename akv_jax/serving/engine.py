@@ -81,6 +81,27 @@ class TokenEvent:
 PREFILL_BLOCK_Q = 64  # query rows per attention block in prefill forwards
 
 
+# Few shapes, so that a few compiled programs serve every step: the token count in
+# half-octave steps; views in powers of two from 4,096 tokens. ``_run`` pads with these and
+# ``Engine.warm_up_shapes`` enumerates them.
+def _token_bucket(n: int, block_q: int) -> int:
+    return bucket(n, max(block_q, 8 if block_q == 1 else 64), steps_per_octave=2)
+
+
+def _view_bucket(pages: int, page_size: int) -> int:
+    return bucket(pages, max(1, 4096 // page_size))
+
+
+def _distinct_buckets(limit: int, pad) -> list[int]:
+    """Every value ``pad(n)`` takes for ``n`` in ``1..limit``, ascending."""
+    out: list[int] = []
+    n = 1
+    while n <= limit:
+        out.append(pad(n))
+        n = out[-1] + 1
+    return out
+
+
 def request_keys(segments: Sequence[Sequence[int]], history: OpHistory):
     """Radix keys of a request; for each key its absolute token index (-1 for an op) and
     its boundary (the segment an op follows; -1 for a token)."""
@@ -289,12 +310,11 @@ class Engine:
         if r is not None:
             # Part of its KV is unwritten: the nodes it computes go back to evicted (a later
             # request recomputes them) before anyone may match them.
-            for n in self.tree.path_to(r.last_node):
-                if n.writer == r.rid:
-                    n.writer = None
-                    if n.pages is not None:
-                        self.pool.free(n.pages)
-                        n.pages = None
+            for n in self._written_by(r):
+                n.writer = None
+                if n.pages is not None:
+                    self.pool.free(n.pages)
+                    n.pages = None
             self._release(r, insert=False)
 
     def has_work(self) -> bool:
@@ -327,15 +347,9 @@ class Engine:
         of shapes run."""
         ps = self.page_size
         sentinel = self.num_pages * ps
-
-        def buckets(limit: int, minimum: int, steps: int = 1) -> list[int]:
-            out, n = [], 1
-            while n <= limit:
-                out.append(bucket(n, minimum, steps_per_octave=steps))
-                n = out[-1] + 1
-            return out
-
-        views = buckets(-(-self.cfg.max_position_embeddings // ps), max(1, 4096 // ps))
+        views = _distinct_buckets(
+            -(-self.cfg.max_position_embeddings // ps), lambda n: _view_bucket(n, ps)
+        )
 
         def dummy(n_rows: int, n_pages: int) -> _Pass:
             return _Pass(
@@ -349,12 +363,13 @@ class Engine:
 
         shapes = 0
         for n_pages in views:
-            for n in buckets(self.prefill_chunk, PREFILL_BLOCK_Q, 2):
+            for n in _distinct_buckets(self.prefill_chunk,
+                                       lambda n: _token_bucket(n, PREFILL_BLOCK_Q)):
                 if n <= n_pages * ps:
                     p = dummy(n, n_pages)
                     jax.block_until_ready(self._run(self.prefill, [(None, p)], PREFILL_BLOCK_Q))
                     shapes += 1
-            for rows in buckets(self.max_running, 8):
+            for rows in _distinct_buckets(self.max_running, lambda n: _token_bucket(n, 1)):
                 work = [(None, dummy(1, n_pages)) for _ in range(rows)]
                 jax.block_until_ready(self._run(self.decode, work, block_q=1))
                 shapes += 1
@@ -589,10 +604,8 @@ class Engine:
             # Its whole path stays pinned until the last slice: dead KV that later rows
             # still read must not be evicted by this step's allocations.
             self.tree.pinned.update(n.id for n in self.tree.path_to(r.last_node))
-        for r in list(self.prefilling.values()):
-            if budget <= 0:
-                break
-            budget -= self._take_slice(r, budget, slices)
+            if budget > 0:
+                budget -= self._take_slice(r, budget, slices)
         while (
             self.waiting
             and budget > 0
@@ -653,13 +666,20 @@ class Engine:
         slices.append((r, p.slice(a, b)))
         r.prefill_done = b
         if b == len(p.tokens):
+            # The last slice holds the logits row (the last row: the last token node's last
+            # token), which is how step() sees the prefill end.
+            assert p.logits_row >= a
             # Its nodes are written by the end of this step's forward: from the next step on
             # other requests may read them (this step's plans must still wait).
-            for n in self.tree.path_to(r.last_node):
-                if n.writer == r.rid:
-                    n.writer = None
-                    n.busy_step = self._step_id
+            for n in self._written_by(r):
+                n.writer = None
+                n.busy_step = self._step_id
         return b - a
+
+    def _written_by(self, r: _Request) -> list[Node]:
+        """Nodes on ``r``'s path whose KV its unfinished prefill writes (split-off upper
+        parts included: a split copies ``writer``)."""
+        return [n for n in self.tree.path_to(r.last_node) if n.writer == r.rid]
 
     def _prefill_done(self, r: _Request) -> None:
         del self.prefilling[r.rid]
@@ -714,10 +734,9 @@ class Engine:
                 rows.append(off + p.logits_row)
         if copies:
             group.rerotate_copy(copies, self.rope)
-        # Few shapes, so that a few compiled programs serve every step: the token count in
-        # half-octave steps; the block count follows from it (each segment adds at most one
-        # partial block); views in powers of two from 4,096 tokens.
-        T = bucket(len(tokens), max(block_q, 8 if block_q == 1 else 64), steps_per_octave=2)
+        # Padded to few shapes (see _token_bucket); the block count follows from the token
+        # count (each segment adds at most one partial block).
+        T = _token_bucket(len(tokens), block_q)
         W = bucket(max(len(w) for w in writes), 1 if block_q == 1 else 4)
         sentinel = self.num_pages * ps
         slot_arr = np.full((W, T), sentinel, np.int32)
@@ -736,7 +755,7 @@ class Engine:
             block_q=block_q,
             num_blocks=T if block_q == 1 else T // block_q + ns,
             num_segments=ns,
-            max_pages=bucket(max(len(s.pages) for s in segs), max(1, 4096 // ps)),
+            max_pages=_view_bucket(max(len(s.pages) for s in segs), ps),
         )
         row_arr = np.zeros(bucket(len(rows), 8), np.int32)
         row_arr[: len(rows)] = rows
