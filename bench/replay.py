@@ -30,7 +30,8 @@ window (30 s with --quick, 60 s otherwise). Every cell runs ``--repeats`` times 
 in the load of this shared machine hit both alike, and the repeats are pooled (latency
 statistics over all their requests, throughput over the sum of their windows). Both
 methods replay the same trajectories in the same order. Before the cells, one unmeasured
-warm-up window per method at the highest concurrency compiles the step shapes.
+warm-up window per method at the highest concurrency runs what ``--warmup-shapes`` does not
+cover (restores with many segments, repos copies).
 
 Reported per cell: mean / P50 / P95 request latency, mean / P95 TTFT, mean TPOT, output and
 input throughput (input counts logical prompt tokens, cached and dropped ones included, as the

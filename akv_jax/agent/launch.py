@@ -1,9 +1,9 @@
 """Start a local ``akv_jax.serving.main`` subprocess for benchmarks (127.0.0.1 only).
 
 The server picks a free port (``--port 0``) and prints ``akv_jax serving NAME on URL`` when it
-accepts connections; :class:`LocalServer` waits for that line. Benchmarks point JAX's
-persistent compilation cache at ``~/.cache/akv_jax/jax-compile`` (unless the caller set
-``JAX_COMPILATION_CACHE_DIR``) so repeated runs do not pay for XLA compiles again.
+accepts connections; :class:`LocalServer` waits for that line. The server keeps its compiled
+step programs in its persistent compilation cache (``--compile-cache-dir``, default
+``~/.cache/akv_jax/xla``), so repeated runs do not pay for XLA compiles again.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 
@@ -32,15 +31,6 @@ COUNTERS = (
 )
 
 
-def compile_cache_env() -> dict[str, str]:
-    default = Path.home() / ".cache" / "akv_jax" / "jax-compile"
-    return {
-        "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(default)),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-
-
 class LocalServer:
     """``with LocalServer([...flags]) as srv: srv.url`` (stops with SIGINT on exit)."""
 
@@ -50,7 +40,7 @@ class LocalServer:
         self.cmd = cmd
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **compile_cache_env(), **(env or {})},
+            env={**os.environ, **(env or {})},
         )
         self.stderr: list[str] = []
         # Drain stderr so a chatty server never blocks on a full pipe.
