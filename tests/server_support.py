@@ -27,8 +27,15 @@ TINY_ARGS = ("--model-path", "tiny", "--max-total-tokens", "16384", "--page-size
 
 
 class ServerProcess:
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None):
-        cmd = [sys.executable, "-m", "akv_jax.serving.main", "--host", "127.0.0.1",
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        launcher: Sequence[str] = ("-m", "akv_jax.serving.main"),
+    ):
+        """``launcher``: what follows the interpreter on the command line (e.g. ``-c`` and
+        code that patches the engine before calling ``main``: fault injection)."""
+        cmd = [sys.executable, *launcher, "--host", "127.0.0.1",
                "--port", "0", "--log-level", "warning", *args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

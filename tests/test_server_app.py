@@ -294,12 +294,25 @@ def test_api_key():
         assert client.get("/nope", headers=ok).status_code == 404
 
 
-def test_oversized_body_is_400():
+def test_oversized_body_is_413():
     from akv_jax.serving.protocol import Limits
 
     app = create_app(ScriptedAsyncEngine(), "s", TOK, limits=Limits(max_body_bytes=100))
+    big = json.dumps({"input_ids": [1] * 100}).encode()
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        yield big[:60]
+        yield big[60:]
+
     with TestClient(app) as client:
-        r = client.post("/generate", content=json.dumps({"input_ids": [1] * 100}))
-        assert r.status_code == 400
-        assert r.json()["error"]["param"] == "body"
-        assert "exceeds the limit of 100 bytes" in r.json()["error"]["message"]
+        for path in ("/generate", "/v1/chat/completions"):
+            for body in (big, chunked()):  # a declared length over the limit, then chunks
+                r = client.post(path, content=body)
+                assert r.status_code == 413, (path, r.text)
+                assert r.json() == {"error": {
+                    "message": "body: request body exceeds the limit of 100 bytes",
+                    "type": "invalid_request_error", "param": "body", "code": None}}
+        # a body under the limit is read and answered as usual
+        ok = json.dumps({"input_ids": [1, 9]}).encode()
+        assert len(ok) <= 100
+        assert client.post("/generate", content=ok).status_code == 200

@@ -2,9 +2,11 @@
 
 Every invalid request is answered with HTTP 400 and one JSON shape,
 ``{"error": {"message", "type": "invalid_request_error", "param"}}``, where ``param`` names the
-field and index at fault. Validation happens before any response bytes are sent, so streamed
-requests fail the same way as plain ones. Faults inside the server become a JSON 500 without a
-traceback, and the server keeps serving.
+field and index at fault (a body over the size limit: 413, same shape). Validation happens
+before any response bytes are sent, so streamed requests fail the same way as plain ones.
+Faults inside the server become a JSON 500 without a traceback (an SSE error event once a
+stream has started), and the server keeps serving. A client that disconnects, streaming or
+not, aborts its request: the engine frees its pages at once.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -49,8 +51,15 @@ def error_response(
     return JSONResponse(error_body(message, param, type_), status_code=status)
 
 
+class BodyTooLarge(CacheOpError):
+    """A request body over ``Limits.max_body_bytes``: HTTP 413, not 400."""
+
+    def __init__(self, limit: int):
+        super().__init__("body", f"request body exceeds the limit of {limit} bytes")
+
+
 def _invalid(e: CacheOpError) -> JSONResponse:
-    return error_response(400, str(e), e.field)
+    return error_response(413 if isinstance(e, BodyTooLarge) else 400, str(e), e.field)
 
 
 def _failure(e: Exception) -> JSONResponse:
@@ -77,6 +86,41 @@ def _logprob(lp: float | None) -> float | None:
     if lp is None or math.isnan(lp):
         return None
     return max(lp, MIN_LOGPROB)
+
+
+def _gone() -> Response:
+    """The answer to a client that disconnected: nobody reads it, but the access log and the
+    request counter show 499 ("client closed request", as nginx logs it)."""
+    return Response(status_code=499)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return once the client disconnects (the body has been read: the next ASGI message is
+    the disconnect, which uvicorn delivers as soon as the connection drops)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, None]) -> bool:
+    """Run ``work``: True once it finishes, False if the client disconnects first. Then
+    ``work`` is cancelled, which closes its engine stream and so aborts the request and frees
+    its pages (streamed responses get this from starlette, which cancels their generator)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False
+    task.result()  # its exception, if it raised
+    return True
 
 
 # --------------------------------------------------------------------------- middleware
@@ -204,15 +248,14 @@ class _Server:
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         limit = self.limits.max_body_bytes
-        too_big = f"request body exceeds the limit of {limit} bytes"
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise CacheOpError("body", too_big)
+            raise BodyTooLarge(limit)  # refused before a byte of it is read
         chunks, size = [], 0
         async for chunk in request.stream():  # also bounds bodies sent without a length
             size += len(chunk)
             if size > limit:
-                raise CacheOpError("body", too_big)
+                raise BodyTooLarge(limit)
             chunks.append(chunk)
         return protocol.parse_json_body(b"".join(chunks), self.limits)
 
@@ -261,9 +304,14 @@ class _Server:
                 self._generate_stream(req, run, inp.return_logprob),
                 media_type="text/event-stream", headers=SSE_HEADERS,
             )
-        try:
+
+        async def collect() -> None:
             async for ev in self.events(req, run, "generate"):
                 run.add(ev)
+
+        try:
+            if not await _unless_disconnected(request, collect()):
+                return _gone()
         except Exception as e:
             return _failure(e)
         out: dict[str, Any] = {"output_ids": run.ids}
@@ -329,9 +377,14 @@ class _Server:
                 headers=SSE_HEADERS,
             )
         content_lp: list[dict[str, Any]] = []
-        try:
+
+        async def collect() -> None:
             async for _ in self._chat_tokens(req, run, text, content_lp):
                 pass
+
+        try:
+            if not await _unless_disconnected(request, collect()):
+                return _gone()
         except Exception as e:
             return _failure(e)
         choice = {
@@ -431,7 +484,10 @@ class _Server:
 
     async def flush_cache(self) -> Response:
         # On the engine thread: the tree and pool are only ever touched there.
-        ok = await asyncio.to_thread(self.async_engine.flush_cache)
+        try:
+            ok = await asyncio.to_thread(self.async_engine.flush_cache)
+        except RuntimeError as e:  # the engine has stopped for good (AsyncEngine.failure)
+            return error_response(503, str(e), type_="server_error")
         if not ok:
             return error_response(
                 409, "cache not flushed: requests are running; retry when idle",
@@ -504,6 +560,11 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        # An engine that stopped for good (e.g. a lost multi-host follower) is unhealthy,
+        # for load balancers and supervisors, while the server shuts down.
+        failure = getattr(async_engine, "failure", None)
+        if failure is not None:
+            return error_response(503, failure, type_="server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -26,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +44,24 @@ from akv_jax.model.forward import KVWrites
 from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, transfer_pages
-from akv_jax.serving.multihost import STOP, apply_commands, broadcast_object
+from akv_jax.serving.multihost import (
+    STOP,
+    MultihostError,
+    apply_commands,
+    broadcast_object,
+    digest,
+    is_peer_loss,
+    peer_failure,
+)
 from akv_jax.serving.page_pool import PagePool
 from akv_jax.serving.radix import Node, RadixTree
+from akv_jax.serving.sampler import invalid_param, make_rng, sample
+
+log = logging.getLogger("akv_jax.serving")
+
+
+class PoolTooSmall(RuntimeError):
+    """A request that can never fit the KV pool as its prefix is stored."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +92,9 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None
     meta: dict
+    # Set, with finish_reason "error", on the last event of a request that failed inside the
+    # engine (its pages are already released); AsyncEngine raises it to the API layer.
+    error: str | None = None
 
 
 PREFILL_BLOCK_Q = 64  # query rows per attention block in prefill forwards
@@ -242,9 +261,13 @@ class Engine:
             restores=0,
             restored_tokens=0,
             requests_finished=0,
+            requests_failed=0,
         )
         self.prefilling: dict[str, _Request] = {}  # admitted, prefill slices still to run
         self._step_id = 0
+        # Multi-host: called once per step, before any forward, with a digest of what this
+        # process is about to run; raises if the processes disagree (see multihost.py).
+        self.replica_check: Callable[[int, bytes], None] | None = None
         self._attn = {
             bq: attention_fn(self.cfg, attention_backend, bq) for bq in (1, PREFILL_BLOCK_Q)
         }
@@ -262,6 +285,11 @@ class Engine:
         sp = req.sampling
         if sp.max_new_tokens < 1:
             raise CacheOpError("sampling_params.max_new_tokens", "must be at least 1")
+        bad = invalid_param(sp)
+        if bad is not None:
+            raise CacheOpError(f"sampling_params.{bad[0]}", bad[1])
+        if sp.seed is not None and (isinstance(sp.seed, bool) or not isinstance(sp.seed, int)):
+            raise CacheOpError("sampling_params.seed", f"{sp.seed!r} is not an integer")
         tl = timeline([len(s) for s in req.segments], req.history)
         limit = self.cfg.max_position_embeddings
         peak = max(tl.max_position + 1, tl.next_pos + sp.max_new_tokens)
@@ -293,21 +321,25 @@ class Engine:
         tl = self.check(req)
         keys, tok_index, boundary = request_keys(req.segments, req.history)
         r = _Request(req, tl, keys, tok_index, boundary, time.monotonic())
-        if req.sampling.seed is not None:
-            r.rng = np.random.default_rng(req.sampling.seed)
-        else:
-            r.rng = np.random.default_rng()
+        r.rng = make_rng(req.sampling.seed)
         self.waiting.append(r)
 
     def abort(self, rid: str) -> None:
-        for r in list(self.waiting):
-            if r.rid == rid:
-                self.waiting.remove(r)
-        r = self.running.pop(rid, None)
-        if r is not None:
-            self._release(r, insert=False)
-        r = self.prefilling.pop(rid, None)
-        if r is not None:
+        for r in [*(q for q in self.waiting if q.rid == rid), self.running.get(rid),
+                  self.prefilling.get(rid)]:
+            if r is not None:
+                self._drop(r)
+
+    def _drop(self, r: _Request) -> None:
+        """Take ``r`` out of the scheduler and release what it holds (pages, locks)."""
+        for i, q in enumerate(self.waiting):
+            if q is r:
+                del self.waiting[i]
+                break
+        if self.running.get(r.rid) is r:
+            del self.running[r.rid]
+        if self.prefilling.get(r.rid) is r:
+            del self.prefilling[r.rid]
             # Part of its KV is unwritten: the nodes it computes go back to evicted (a later
             # request recomputes them) before anyone may match them.
             for n in self._written_by(r):
@@ -315,7 +347,87 @@ class Engine:
                 if n.pages is not None:
                     self.pool.free(n.pages)
                     n.pages = None
+        if r.gen_pages or r.last_node is not None:
             self._release(r, insert=False)
+        r.status = "done"
+
+    def fail(self, rid: str, message: str) -> TokenEvent | None:
+        """End request ``rid`` with an error event (None if it is not queued or running).
+
+        Multi-host followers apply this when the leader reports a request it failed."""
+        r = self.running.get(rid) or self.prefilling.get(rid)
+        r = r or next((q for q in self.waiting if q.rid == rid), None)
+        return None if r is None else self._fail(r, message)
+
+    def _fail(self, r: _Request, message: str, kv_unwritten: bool = False) -> TokenEvent:
+        """End ``r`` with an error event, releasing what it holds as an abort does.
+
+        ``kv_unwritten``: the forward that was to write its prefill did not run, so every
+        node its pass computes (written_pages) goes back to evicted, last slice included
+        (``_take_slice`` has already published those nodes as written)."""
+        meta = dict(self._meta(r), completion_tokens=len(r.generated), finish_reason="error")
+        if kv_unwritten and r.prefill is not None and r.last_node is not None:
+            mine = set(r.prefill.written_pages)
+            for n in self.tree.path_to(r.last_node):
+                if n.pages and mine.intersection(n.pages):
+                    self.pool.free(n.pages)
+                    n.pages = None
+                    n.writer = None
+        self._drop(r)
+        self.counters["requests_failed"] += 1
+        return TokenEvent(r.rid, -1, None, True, "error", meta, error=message)
+
+    def _failed(self, r: _Request, e: Exception, where: str, kv_unwritten: bool = False):
+        """``_fail`` for an exception raised by ``r``'s own work; the traceback goes to the
+        log, a one-line message to the client."""
+        log.error("request %s failed in %s", r.rid, where, exc_info=e)
+        return self._fail(r, f"engine error ({where}): {_describe(e)}", kv_unwritten)
+
+    def _unplan(self, r: _Request, mark: int) -> None:
+        """Undo what a ``_plan(r)`` that raised may have left behind (it plans in place):
+        nodes it marked for writing go back to evicted (nothing wrote them), a lock it took
+        is released, and the childless empty nodes it added (ids above ``mark``) are
+        removed. Split nodes stay: a split changes no match."""
+        for n in self.tree.nodes():
+            if n.writer == r.rid:
+                n.writer = None
+                if n.pages is not None:
+                    self.pool.free(n.pages)
+                    n.pages = None
+        # Every live request holds one lock, on its last node; any other is r's.
+        held: dict[int, int] = {}
+        for q in (*self.running.values(), *self.prefilling.values()):
+            if q.last_node is not None:
+                held[id(q.last_node)] = held.get(id(q.last_node), 0) + 1
+        new: list[Node] = []
+        for n in list(self.tree.nodes()):
+            for _ in range(n.ends - held.get(id(n), 0)):
+                self.tree.unlock(n)
+            if n.kind != "root" and n.id > mark:
+                new.append(n)
+        for n in sorted(new, key=lambda n: -n.id):  # a fresh chain's leaf is its newest node
+            if not n.children and n.pages is None and n.lock == 0 and n.ends == 0:
+                self.tree.remove(n)
+        r.last_node = r.prompt_last_node = None
+        r.view_nodes, r.view_pages, r.view_toks = [], [], None
+
+    def reset(self, message: str) -> list[TokenEvent]:
+        """Fail every request and start over from an empty cache (a fresh pool and tree).
+
+        The answer to a fault outside any one request's work, after which the tree's
+        bookkeeping cannot be trusted; the device KV needs no clearing (no page is owned)."""
+        reqs = [*self.waiting, *self.prefilling.values(), *self.running.values()]
+        meta = {"finish_reason": "error"}
+        events = [TokenEvent(r.rid, -1, None, True, "error", meta, error=message) for r in reqs]
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.running.clear()
+        old = self.tree
+        self.pool = PagePool(self.num_pages)
+        self.tree = RadixTree(self.pool, self.page_size)
+        self.tree.evictions, self.tree.dead_evictions = old.evictions, old.dead_evictions
+        self.counters["requests_failed"] += len(reqs)
+        return events
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
@@ -485,6 +597,17 @@ class Engine:
             return give_up()
         compute, needed = self._choose_compute(r, path, fresh)
         used = [n for n in path if n.id in compute or n.id in needed]
+        # check() bounds a request's pages by its own segments, but a stored prefix split at
+        # other requests' message boundaries can take more pages (a node each, page-aligned).
+        holds = sum(self._node_pages_needed(n) for n in used if n.kind != "drop")
+        holds += -(-r.req.sampling.max_new_tokens // self.page_size)
+        if holds > self.num_pages:
+            give_up()
+            raise PoolTooSmall(
+                f"this request needs {holds} KV pages at once (its prefix is stored split at "
+                f"other requests' message boundaries); the pool has {self.num_pages}: raise "
+                "--max-total-tokens"
+            )
         # Pinned for this step: allocations below (and other requests' in this step) must
         # not evict KV this pass reads, even KV that is dead for every later request.
         self.tree.pinned.update(n.id for n in used)
@@ -594,25 +717,48 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[TokenEvent]:
+        """One scheduler step. An exception in one request's own work (planning it, its
+        prefill slice or decode row, sampling or finishing it) fails that request only: it
+        ends with an error event, its pages and locks are released, and the step goes on
+        for the others. A forward that raises fails the requests whose rows it carries."""
         self._step_id += 1
         self.tree.pinned.clear()
+        events: list[TokenEvent] = []
+
+        def drop_slice(r: _Request) -> None:
+            slices[:] = [(q, sl) for q, sl in slices if q is not r]
+
         # Prefill slices, at most ``prefill_chunk`` rows in all: first the passes already
         # under way (oldest first), then newly admitted requests.
         slices: list[tuple[_Request, _Pass]] = []
         budget = self.prefill_chunk
-        for r in self.prefilling.values():
-            # Its whole path stays pinned until the last slice: dead KV that later rows
-            # still read must not be evicted by this step's allocations.
-            self.tree.pinned.update(n.id for n in self.tree.path_to(r.last_node))
-            if budget > 0:
-                budget -= self._take_slice(r, budget, slices)
+        for r in list(self.prefilling.values()):
+            try:
+                # Its whole path stays pinned until the last slice: dead KV that later rows
+                # still read must not be evicted by this step's allocations.
+                self.tree.pinned.update(n.id for n in self.tree.path_to(r.last_node))
+                if budget > 0:
+                    budget -= self._take_slice(r, budget, slices)
+            except Exception as e:
+                drop_slice(r)
+                events.append(self._failed(r, e, "prefill", kv_unwritten=True))
         while (
             self.waiting
             and budget > 0
             and len(self.running) + len(self.prefilling) < self.max_running
         ):
             r = self.waiting[0]
-            p = self._plan(r)
+            mark = _node_watermark()
+            try:
+                p = self._plan(r)
+            except PoolTooSmall as e:  # a clear answer, not a fault: nothing to log
+                self._unplan(r, mark)
+                events.append(self._fail(r, str(e)))
+                continue
+            except Exception as e:
+                self._unplan(r, mark)
+                events.append(self._failed(r, e, "planning"))
+                continue
             if p is None:
                 break
             self.waiting.popleft()
@@ -621,20 +767,35 @@ class Engine:
             self.counters["cache_queries"] += 1
             self.counters["cache_query_tokens"] += r.tl.num_tokens
             self.counters["cache_hit_tokens"] += r.cached_tokens
-            budget -= self._take_slice(r, budget, slices)
+            try:
+                budget -= self._take_slice(r, budget, slices)
+            except Exception as e:
+                drop_slice(r)
+                events.append(self._failed(r, e, "prefill", kv_unwritten=True))
         decoders = [r for r in self.running.values() if r.status == "decode"]
-        events: list[TokenEvent] = []
         decode_pass: list[tuple[_Request, _Pass]] = []
         stalled: list[_Request] = []
         for r in decoders:
-            dp = self._decode_pass(r)
+            try:
+                dp = self._decode_pass(r)
+            except Exception as e:
+                events.append(self._failed(r, e, "decode"))
+                continue
             if dp is None:  # no free page for its next token: wait for others to finish
                 stalled.append(r)
                 continue
             decode_pass.append((r, dp))
         if stalled and not decode_pass and not slices:
-            # Nobody else can free pages: only then give up on the stalled requests.
-            events.extend(self._finish(r, "abort") for r in stalled)
+            # Nobody else can free pages: fail the youngest stalled request (its pages go back
+            # to the pool) so that the others can go on; never end one silently short.
+            r = max(stalled, key=lambda q: q.arrival)
+            events.append(self._fail(r, (
+                f"the KV pool ({self.num_pages} pages) is full: {len(stalled)} decoding "
+                "requests hold every page; raise --max-total-tokens"
+            )))
+        if self.replica_check is not None:
+            # Multi-host: every process must run the same forwards on the same state.
+            self.replica_check(self._step_id, self._digest(slices, decode_pass))
         if not slices and not decode_pass:
             return events
         # Prefill slices and decode rows run as two forwards, as SGLang runs prefill and
@@ -642,22 +803,65 @@ class Engine:
         # block size for both would pad every decode row to a prefill block. Disaggregated,
         # they run on their own groups (a finished prefill's pages are handed over first),
         # and both are dispatched before either result is read, so they overlap.
-        parts = []
+        parts: list[tuple[str, list[tuple[_Request, _Pass]], jax.Array]] = []
         if slices:
-            parts.append(self._run(self.prefill, slices, block_q=PREFILL_BLOCK_Q))
-            if self.prefill is not self.decode:
-                done = [r for r, sl in slices if sl.logits_row >= 0]
-                written = [pg for r in done for pg in r.prefill.written_pages]
-                transfer_pages(self.prefill, self.decode, written)
+            try:
+                out = self._run(self.prefill, slices, block_q=PREFILL_BLOCK_Q)
+                if self.prefill is not self.decode:
+                    done = [r for r, sl in slices if sl.logits_row >= 0]
+                    written = [pg for r in done for pg in r.prefill.written_pages]
+                    transfer_pages(self.prefill, self.decode, written)
+                parts.append(("prefill", slices, out))
+            except Exception as e:
+                events.extend(self._forward_failed(slices, e, "prefill"))
         if decode_pass:
-            parts.append(self._run(self.decode, decode_pass, block_q=1))
-        logits = [np.asarray(row) for part in parts for row in np.asarray(part)]
-        with_logits = [r for r, p in slices + decode_pass if p.logits_row >= 0]
-        for r, row in zip(with_logits, logits, strict=True):
-            if r.status == "prefill":
-                self._prefill_done(r)
-            events.extend(self._sample(r, row))
+            try:
+                parts.append(("decode", decode_pass, self._run(self.decode, decode_pass, 1)))
+            except Exception as e:
+                events.extend(self._forward_failed(decode_pass, e, "decode"))
+        results = []
+        for what, work, out in parts:
+            try:
+                results.append((work, np.asarray(out)))  # a failed dispatch surfaces here
+            except Exception as e:
+                events.extend(self._forward_failed(work, e, what))
+        for work, logits in results:
+            with_logits = [r for r, p in work if p.logits_row >= 0]
+            for r, row in zip(with_logits, logits, strict=True):
+                try:
+                    if r.status == "prefill":
+                        self._prefill_done(r)
+                    events.extend(self._sample(r, np.asarray(row)))
+                except Exception as e:
+                    events.append(self._failed(r, e, "sampling"))
         return events
+
+    def _forward_failed(
+        self, work: list[tuple[_Request, _Pass]], e: Exception, what: str
+    ) -> list[TokenEvent]:
+        """Fail the requests whose rows a forward that raised carried."""
+        if jax.process_count() > 1:
+            # Its collectives may have run on some processes and not on others: no process
+            # can tell what the others' engines or KV hold any more.
+            if is_peer_loss(e):
+                raise peer_failure(e, "the other processes") from e
+            raise MultihostError(f"the {what} forward failed: {_describe(e)}") from e
+        log.error("the %s forward failed; failing its %d requests", what, len(work), exc_info=e)
+        msg = f"engine error ({what} forward): {_describe(e)}"
+        return [self._fail(r, msg, kv_unwritten=True) for r, _ in work]
+
+    def _digest(self, slices: list, decode_pass: list) -> bytes:
+        """What this step runs and the state it runs on, hashed (the same on every process
+        of a multi-host run unless their engines have diverged)."""
+        state = (
+            [(r.rid, len(p.tokens), p.logits_row) for r, p in slices],
+            [r.rid for r, _ in decode_pass],
+            self.pool.used_pages,
+            [r.rid for r in self.waiting],
+            sorted(self.running),
+            sorted(self.prefilling),
+        )
+        return digest(state)
 
     def _take_slice(self, r: _Request, budget: int, slices: list) -> int:
         """Queue the next slice (at most ``budget`` rows) of ``r``'s pass; rows taken."""
@@ -767,26 +971,11 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, r: _Request, logits: np.ndarray) -> list[TokenEvent]:
+        """Sample ``r``'s next token (math in sampler.py) and decide whether it finishes."""
         sp = r.req.sampling
-        logits = logits.astype(np.float64)
-        logprobs = logits - _logsumexp(logits)
-        if sp.temperature <= 0:
-            tok = int(np.argmax(logits))
-        else:
-            z = logits / sp.temperature
-            if sp.top_k > 0:
-                kth = np.partition(z, -sp.top_k)[-sp.top_k]
-                z = np.where(z < kth, -np.inf, z)
-            probs = np.exp(z - _logsumexp(z))
-            if sp.top_p < 1.0:
-                order = np.argsort(-probs)
-                cum = np.cumsum(probs[order])
-                cut = order[cum - probs[order] >= sp.top_p]
-                probs[cut] = 0.0
-                probs /= probs.sum()
-            tok = int(r.rng.choice(len(probs), p=probs))
+        tok, logprob = sample(logits, sp, r.rng)
         r.generated.append(tok)
-        lp = float(logprobs[tok]) if r.req.return_logprob else None
+        lp = logprob if r.req.return_logprob else None
         reason = None
         if not sp.ignore_eos and tok in self.eos_ids:
             reason = "stop"
@@ -839,23 +1028,44 @@ class Engine:
         r.status = "done"
 
 
+def _describe(e: BaseException) -> str:
+    """One line for a client: the exception's type and message, no traceback."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _node_watermark() -> int:
+    """An id above every node made so far (radix node ids come from one rising counter)."""
+    return Node((), "root", None).id
+
+
 def _slots(pages: list[int], n: int, page_size: int) -> list[int]:
     return [pages[i // page_size] * page_size + i % page_size for i in range(n)]
 
 
-def _logsumexp(x: np.ndarray) -> float:
-    m = np.max(x)
-    return float(m + np.log(np.sum(np.exp(x - m))))
-
-
 class AsyncEngine:
-    """Runs :meth:`Engine.step` on one background thread; requests stream TokenEvents."""
+    """Runs :meth:`Engine.step` on one background thread; requests stream TokenEvents.
 
-    def __init__(self, engine: Engine, lockstep: bool = False):
+    Faults. A request that fails inside the engine ends its stream with a RuntimeError
+    carrying a one-line message (the API answers 500, or ends an SSE stream with an error
+    event); the others go on. A fault outside any one request's work fails every request
+    and restarts from an empty cache. In a multi-host run that (or a lost follower, or
+    engines found to differ) is fatal instead: the engine thread stops, every client waiting
+    on it gets the error, :attr:`failure` holds it and ``on_fatal(message)`` is called
+    (main.py shuts the server down with a one-line error)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        lockstep: bool = False,
+        on_fatal: Callable[[str], None] | None = None,
+    ):
         """``lockstep``: this is process 0 of a multi-host run (see multihost.py): every
         command and step is broadcast to the follower processes."""
         self.engine = engine
         self.lockstep = lockstep
+        self.on_fatal = on_fatal
+        self.failure: str | None = None  # why the engine stopped for good, once it has
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -896,23 +1106,34 @@ class AsyncEngine:
     def _wait(self, kind: str, what: tuple, timeout: float):
         done = threading.Event()
         box: dict = {}
-        if self._thread is None or not self._thread.is_alive():
-            raise RuntimeError("the engine thread is not running")
+        self._check_running()
         self._inbox.put((kind, (*what, box, done)))
         self._wake.set()
+        self._check_running()  # stopped meanwhile: _fatal may have drained the inbox already
         if not done.wait(timeout):
             raise TimeoutError(f"engine did not answer within {timeout} s")
         if "error" in box:
             raise box["error"]
         return box["value"]
 
+    def _check_running(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("the engine thread is not running")
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """The request's events. A request the engine failed raises RuntimeError (after any
+        tokens it produced); closing the generator early aborts the request."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[req.rid] = (loop, q)
         finished = False
         try:
+            # Registered before this check, so a fatal stop either sees this stream (and
+            # delivers its error) or happened before the check (which raises).
+            self._check_running()
             # Validation errors (Engine.check, run again by add_request on the engine thread)
             # come back through the stream as exceptions.
             self._inbox.put(("add", req))
@@ -923,6 +1144,8 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                if item.error is not None:  # the engine failed it and released its pages
+                    raise RuntimeError(item.error)
                 yield item
         finally:
             with self._lock:
@@ -936,13 +1159,32 @@ class AsyncEngine:
             target = self._streams.get(rid)
         if target is not None:
             loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # its event loop is closed: nobody is listening any more
+                pass
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a lost multi-host peer, or a bug in the loop itself
+            self._fatal(e)
+            return
+        if self.lockstep:
+            try:
+                broadcast_object(STOP)
+            except Exception as e:
+                log.warning("could not tell the followers to stop: %s", _describe(e))
+
+    def _serve(self) -> None:
         eng = self.engine
         last_sync = time.monotonic()
+        # Multi-host: requests this process's engine failed, replayed on the followers with
+        # the next broadcast, so that theirs drop them too (a no-op where they failed too).
+        failed: list[tuple] = []
         while not self._stop.is_set():
-            commands: list[tuple] = []
+            commands: list[tuple] = failed
+            failed = []
             waiters: list[tuple[int, dict, threading.Event]] = []
             while True:
                 try:
@@ -979,7 +1221,11 @@ class AsyncEngine:
                 done.set()
             do_step = eng.has_work()
             if self.lockstep and (commands or do_step or time.monotonic() - last_sync > 1.0):
-                broadcast_object((commands, do_step))
+                # Also once a second when idle: a follower that died is noticed here.
+                try:
+                    broadcast_object((commands, do_step))
+                except Exception as e:
+                    raise peer_failure(e, "the follower processes") from e
                 last_sync = time.monotonic()
             if not do_step:
                 self._wake.wait(timeout=0.05)
@@ -987,15 +1233,41 @@ class AsyncEngine:
                 continue
             try:
                 events = eng.step()
-            except Exception as e:  # never leave a client hanging on an engine fault
-                for rid in [*eng.running, *eng.prefilling, *(r.rid for r in eng.waiting)]:
-                    self._deliver(rid, RuntimeError(f"engine error: {e}"))
-                    eng.abort(rid)
-                continue
+            except MultihostError:
+                raise
+            except Exception as e:
+                if self.lockstep:
+                    # The followers' steps may have gone through: the engines may differ.
+                    raise MultihostError(f"engine step failed: {_describe(e)}") from e
+                log.error("engine step failed: failing every request, emptying the cache",
+                          exc_info=e)
+                events = eng.reset(f"engine error: {_describe(e)}")
             for ev in events:
+                if ev.error is not None and self.lockstep:
+                    failed.append(("fail", (ev.rid, ev.error)))
                 self._deliver(ev.rid, ev)
-        if self.lockstep:
-            broadcast_object(STOP)
+
+    def _fatal(self, e: BaseException) -> None:
+        """Stop for good: every waiting client gets the error, ``on_fatal`` is told."""
+        msg = str(e) if isinstance(e, MultihostError) else f"engine stopped: {_describe(e)}"
+        log.error("%s", msg, exc_info=None if isinstance(e, MultihostError) else e)
+        self.failure = msg  # first, so that new requests see it (see generate)
+        err = RuntimeError(msg)
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self._deliver(rid, err)
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind in ("method", "call"):
+                box, done = payload[-2:]
+                box["error"] = err
+                done.set()
+        if self.on_fatal is not None:
+            self.on_fatal(msg)
 
     def next_rid(self) -> str:
         return f"req-{next(self._ids)}"

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
+
+if TYPE_CHECKING:
+    from akv_jax.serving.engine import Engine
 
 log = logging.getLogger("akv_jax.serving")
 
@@ -284,8 +288,9 @@ def build_server(
 
     name = args.served_model_name or served_name(args.model_path)
     limits = Limits(max_new_tokens=args.max_new_tokens_limit)
+    async_engine = AsyncEngine(engine, lockstep=lockstep)
     app = create_app(
-        AsyncEngine(engine, lockstep=lockstep), name, model.tokenizer, args.api_key, limits,
+        async_engine, name, model.tokenizer, args.api_key, limits,
         vocab_size=model.cfg.vocab_size,
         max_position=model.cfg.max_position_embeddings,
         stop_ids=model.stop_ids,
@@ -294,7 +299,12 @@ def build_server(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
         timeout_graceful_shutdown=5,
     )
-    return ReadyServer(config, f"akv_jax serving {name} on {_url(sock, args.host)}")
+    server = ReadyServer(config, f"akv_jax serving {name} on {_url(sock, args.host)}")
+    server.async_engine = async_engine
+    # An engine that stopped for good (see AsyncEngine) takes the server down with it, so a
+    # supervisor restarts it instead of it answering errors forever.
+    async_engine.on_fatal = lambda _msg: setattr(server, "should_exit", True)
+    return server
 
 
 class ReadyServer(uvicorn.Server):
@@ -303,6 +313,7 @@ class ReadyServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, ready_line: str):
         super().__init__(config)
         self.ready_line = ready_line
+        self.async_engine = None  # set by build_server; its ``failure`` ends main() with 1
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -321,13 +332,14 @@ def main(argv: list[str] | None = None) -> int:
             init_distributed(args)
         check_args(args)
         if multi and args.process_id != 0:
-            from akv_jax.serving.multihost import follower_loop
-
             _, engine = build_engine(args)
-            follower_loop(engine)  # returns when process 0 shuts down
-            return 0
+            return run_follower(engine)
         sock = bind_socket(args.host, args.port)
         model, engine = build_engine(args)
+        if multi:
+            from akv_jax.serving.multihost import check_replicas
+
+            engine.replica_check = check_replicas  # the followers' engines check alike
         server = build_server(args, sock, model, engine, lockstep=multi)
     except StartupError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -339,7 +351,42 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # uvicorn re-raises Ctrl-C after its graceful shutdown; that shutdown is the clean end.
         pass
+    failure = server.async_engine.failure if server.async_engine is not None else None
+    if failure is not None:
+        print(f"{PROG}: error: {failure}", file=sys.stderr)
+        if multi:
+            _exit_now(EXIT_FAILURE)
+        return EXIT_FAILURE
     return 0
+
+
+def run_follower(engine: Engine) -> int:
+    """Processes 1..N-1 of a multi-host run: mirror the leader until it stops (0), or exit
+    with one line when the leader is lost or the engines diverge (1)."""
+    from akv_jax.serving.multihost import MultihostError, check_replicas, follower_loop
+
+    engine.replica_check = check_replicas
+    try:
+        follower_loop(engine)  # returns when process 0 shuts down
+    except MultihostError as e:
+        print(f"{PROG}: error: process {_process_index()}: {e}", file=sys.stderr)
+        _exit_now(EXIT_FAILURE)
+    return 0
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def _exit_now(code: int) -> None:
+    """Exit without jax.distributed's shutdown barrier: with a peer gone it would wait for
+    minutes and then abort the process with a stack trace instead of our one line."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -8,17 +8,59 @@ iteration, broadcasts the commands it applied (new requests, aborts, cache flush
 whether it steps; the other processes run :func:`follower_loop`, which applies the same
 commands to an identical engine and steps with it. The host-side planning is deterministic,
 so every process builds the same batches; sampling seeds are fixed by process 0.
+
+Faults. A request that fails in its own work (planning, sampling, ...) fails the same way
+on every process, since the work is the same; the leader also replays each failure to the
+followers (a ``fail`` command), so a fault that hit the leader alone, after the step's
+forward, is dropped on the followers too. Before every forward all processes compare a
+digest of what they are about to run (:func:`check_replicas`); any difference, a forward
+that raised, or a peer that died or disconnected (a collective fails at once when a peer's
+socket closes; the leader syncs at least once a second, even idle) raises
+:class:`MultihostError` on the processes that see it: the leader fails every request and
+exits with a one-line error, and a follower exits with one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
+if TYPE_CHECKING:
+    from akv_jax.serving.engine import Engine
+
 STOP = "stop"
+
+log = logging.getLogger("akv_jax.serving")
+
+
+class MultihostError(RuntimeError):
+    """The processes of a multi-host run can no longer run in lock step: a peer died or
+    disconnected, or their engines diverged. Fatal; the message is one line."""
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def is_peer_loss(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because a peer process went away (gloo and
+    the distributed runtime word it so)."""
+    text = str(e)
+    return any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe",
+                                   "heartbeat", "unhealthy", "UNAVAILABLE"))
+
+
+def peer_failure(e: BaseException, who: str) -> MultihostError:
+    """The MultihostError for a collective that raised (``who``: the peers it waited on)."""
+    if is_peer_loss(e):
+        return MultihostError(f"lost {who}: a process died or disconnected ({_one_line(e)})")
+    return MultihostError(f"a collective with {who} failed: {_one_line(e)}")
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
@@ -47,7 +89,33 @@ def broadcast_object(obj: Any = None) -> Any:
     return pickle.loads(buf.tobytes())
 
 
-def apply_commands(engine, commands: list[tuple]) -> list[tuple[str, Any]]:
+def check_replicas(step: int, summary: bytes) -> None:
+    """Raise MultihostError on every process unless all of them pass the same ``summary``
+    (8 bytes, see :func:`digest`) for ``step`` (Engine.replica_check: what the step runs
+    and the state it runs on). One small all-gather per step."""
+    from jax.experimental import multihost_utils
+
+    # int32 pieces: without jax_enable_x64 an int64 array would be cut to int32.
+    mine = np.concatenate([[step % (1 << 31)], np.frombuffer(summary, np.int32)])
+    mine = mine.astype(np.int32)
+    try:
+        every = np.asarray(multihost_utils.process_allgather(mine))
+    except Exception as e:
+        raise peer_failure(e, "the other processes") from e
+    odd = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
+    if odd:
+        raise MultihostError(
+            f"engines diverged at step {step}: processes {odd} differ from process 0 "
+            "(a fault hit some processes and not others); stopping, restart the server"
+        )
+
+
+def digest(obj: Any) -> bytes:
+    """A stable 8-byte hash of ``repr(obj)`` (Python's own hash() differs per process)."""
+    return hashlib.blake2b(repr(obj).encode(), digest_size=8).digest()
+
+
+def apply_commands(engine: Engine, commands: list[tuple]) -> list[tuple[str, Any]]:
     """Apply replicated commands; returns (kind, result or exception) per command."""
     out = []
     for kind, payload in commands:
@@ -56,6 +124,8 @@ def apply_commands(engine, commands: list[tuple]) -> list[tuple[str, Any]]:
                 out.append((kind, engine.add_request(payload)))
             elif kind == "abort":
                 out.append((kind, engine.abort(payload)))
+            elif kind == "fail":  # a request the leader's engine failed
+                out.append((kind, engine.fail(*payload)))
             elif kind == "method":
                 name, args = payload
                 out.append((kind, getattr(engine, name)(*args)))
@@ -66,13 +136,29 @@ def apply_commands(engine, commands: list[tuple]) -> list[tuple[str, Any]]:
     return out
 
 
-def follower_loop(engine) -> None:
-    """Mirror the leader's engine until it says stop (processes 1..N-1)."""
+def follower_loop(engine: Engine) -> None:
+    """Mirror the leader's engine until it says stop (processes 1..N-1).
+
+    Raises MultihostError (one line) when the leader is lost or this engine can no longer be
+    kept identical to the leader's; the caller exits."""
     while True:
-        msg = broadcast_object(None)
+        try:
+            msg = broadcast_object(None)
+        except Exception as e:
+            raise peer_failure(e, "the leader (process 0)") from e
         if msg == STOP:
             return
         commands, do_step = msg
-        apply_commands(engine, commands)
+        for (kind, payload), (_, res) in zip(commands, apply_commands(engine, commands),
+                                             strict=True):
+            if kind == "fail" and res is not None:
+                log.warning("request %s failed on the leader (%s): dropped here too", *payload)
         if do_step:
-            engine.step()
+            try:
+                engine.step()  # per-request faults end those requests, as on the leader
+            except MultihostError:
+                raise
+            except Exception as e:
+                # The leader's step may have gone through: the engines may differ now.
+                log.debug("follower step failed", exc_info=True)
+                raise MultihostError(f"engine step failed on this follower: {_one_line(e)}") from e

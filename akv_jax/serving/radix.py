@@ -56,6 +56,7 @@ class Node:
         "held_tokens",
         "busy_step",
         "writer",
+        "ends",
         "_held_ranges",
     )
 
@@ -72,6 +73,7 @@ class Node:
         self.held_tokens: tuple[int, ...] = ()  # absolute token ids a repos node holds
         self.busy_step = -1  # the scheduler step whose forward writes this node's KV
         self.writer: str | None = None  # request whose prefill, still running, writes it
+        self.ends = 0  # running requests whose path ends here (their state is this node)
         self._held_ranges: Ranges | None = None
 
     @property
@@ -188,15 +190,20 @@ class RadixTree:
 
     # ------------------------------------------------------------------ locking
     # A lock is taken on the deepest node and walks up to the root, so a later split (which
-    # inserts an upper node carrying the same count) keeps every count balanced.
-    @staticmethod
-    def lock(node: Node) -> None:
+    # inserts an upper node carrying the same count) keeps every count balanced. The deepest
+    # node also counts as a path end: a running request's state is a stored path of its own
+    # even where longer requests continue below it (see dead()).
+    def lock(self, node: Node) -> None:
+        node.ends += 1
+        self._shape_version += 1
         while node is not None and node.kind != "root":
             node.lock += 1
             node = node.parent
 
-    @staticmethod
-    def unlock(node: Node) -> None:
+    def unlock(self, node: Node) -> None:
+        node.ends -= 1
+        assert node.ends >= 0, node
+        self._shape_version += 1
         while node is not None and node.kind != "root":
             node.lock -= 1
             assert node.lock >= 0, node
@@ -222,8 +229,10 @@ class RadixTree:
 
     def dead(self) -> set[int]:
         """Ids of nodes whose KV no stored path below them attends to again (cached per
-        tree shape). One post-order pass: ``covered[n]`` is the set of tokens every path
-        from ``n`` down to a leaf drops (a repos covers everything; a leaf, nothing)."""
+        tree shape and lock set). One post-order pass: ``covered[n]`` is the set of tokens
+        every path from ``n`` down to a leaf drops (a repos covers everything; a leaf, and a
+        node where a running request's path ends, nothing: that request still attends to
+        its whole final view, whatever longer requests below it drop)."""
         version, cached = self._dead_cache
         if version == self._shape_version:
             return cached
@@ -240,7 +249,7 @@ class RadixTree:
                     else:
                         through = covered[c.id]
                     below = through if below is None else _intersect(below, through)
-            covered[n.id] = below or []
+            covered[n.id] = [] if n.ends else below or []
             if n.kind in ("tokens", "repos") and _contains(covered[n.id], n.held_ranges()):
                 dead.add(n.id)
         self._dead_cache = (self._shape_version, dead)

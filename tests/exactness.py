@@ -1,0 +1,187 @@
+"""The request-order exactness harness (DESIGN.md §2: a request's answer depends on the
+request alone), shared by the single-device and the multidevice test processes.
+
+One random request set (fresh histories of 3-7 segments with drops in the middle and at the
+last boundary, repositions, multi-turn extensions of earlier requests) is sent to one engine
+in several orders: one at a time in random orders, all at once, after a flush, in reverse
+order (every extension before its base), and through a pool so small that most state is
+evicted and restored between requests. Every answer is compared with the deliberately naive
+dense reference: tokens equal, float32 log-probs within 1e-4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from akv_jax.cache.dense_reference import DenseModel
+from akv_jax.cache.ops import parse_history
+from akv_jax.cache.timeline import timeline
+from akv_jax.serving.engine import Engine, GenerateRequest, SamplingParams
+
+N_NEW = 8
+LOGPROB_ATOL = 1e-4
+POOL_TIMES = (1, 2)  # pools that force eviction: nearly always, and now and then
+REPEATS = 3  # copies of each request in the concurrent small-pool phases
+MAX_STEPS = 20_000  # a request set that has not finished by then has hung
+
+
+def random_histories(rng: np.random.Generator, count: int, vocab: int,
+                     answer: Callable[[list, dict], list[int]] | None = None) -> list[tuple]:
+    """``count`` requests ``(segments, cache)``: about 60% fresh histories of 3-7 segments,
+    the rest multi-turn extensions (1-3 more segments, more ops) of an earlier request. With
+    ``answer`` (the reference's greedy tokens for a request), half the extensions go on
+    from the earlier request's answer, as an agent's next turn does: their path then runs
+    through the KV the server cached while generating it."""
+    reqs: list[tuple] = []
+    while len(reqs) < count:
+        if reqs and rng.random() < 0.4:
+            segs, cache = reqs[int(rng.integers(len(reqs)))]
+            segs = [list(s) for s in segs]
+            cache = {"drop": {k: list(v) for k, v in cache["drop"].items()},
+                     "reposition": list(cache["reposition"])}
+            more = int(rng.integers(1, 4))
+            if answer is not None and rng.random() < 0.5:
+                segs.append(answer(segs, cache))
+                more -= 1
+        else:
+            segs, cache = [], {"drop": {}, "reposition": []}
+            more = int(rng.integers(3, 8))
+        dropped = {i for v in cache["drop"].values() for i in v}
+        for _ in range(more):
+            segs.append(rng.integers(0, vocab, size=int(rng.integers(1, 30))).tolist())
+            s = len(segs) - 1
+            # Middle segments mostly; the segment just appended (the last boundary) too.
+            cand = [i for i in range(s + 1) if i not in dropped and rng.random() < 0.25]
+            if cand:
+                cache["drop"][str(s)] = cand
+                dropped.update(cand)
+            if rng.random() < 0.3:
+                cache["reposition"].append(s)
+        reqs.append((segs, cache))
+    return reqs
+
+
+def reference_answer(dm: DenseModel) -> Callable[[list, dict], list[int]]:
+    """The dense reference's greedy answer to a request, for agent-style extensions."""
+    return lambda segs, cache: dense_answers(dm, [(segs, cache)])[0][0]
+
+
+def dense_answers(dm: DenseModel, reqs: list[tuple], n: int | None = None) -> list[tuple]:
+    """``(tokens, logprobs)`` of greedy generation by the dense reference, per request."""
+    n = n or N_NEW
+    out = []
+    for segs, cache in reqs:
+        logits, st = dm.run(segs, parse_history(cache, len(segs)))
+        last, toks, lps = logits[-1], [], []
+        for i in range(n):
+            lp = last - (np.log(np.exp(last - last.max()).sum()) + last.max())
+            t = int(np.argmax(last))
+            toks.append(t)
+            lps.append(float(lp[t]))
+            if i < n - 1:
+                lg, st = dm.append(st, [t])
+                last = lg[-1]
+        out.append((toks, lps))
+    return out
+
+
+def run_requests(engine: Engine, reqs: list[tuple], order: list[int], concurrent: bool | int,
+                 n: int | None = None) -> list[tuple]:
+    """Send ``reqs[i]`` for each ``i`` in ``order`` (an index may repeat): one at a time
+    (False), all at once (True), or ``k`` more before every step (an int: a steady stream of
+    arrivals, so prefills keep allocating while others decode). ``(tokens, logprobs, meta)``
+    per entry of ``order``. Greedy, EOS ignored (the reference does not stop either)."""
+    out: dict[str, tuple] = {}
+    pending = list(enumerate(order))
+    steps = 0
+    while pending or engine.has_work():
+        added = 0
+        while pending and (
+            concurrent is True
+            or (concurrent is False and not engine.has_work())
+            or (not isinstance(concurrent, bool) and added < concurrent)
+        ):
+            added += 1
+            k, i = pending.pop(0)
+            segs, cache = reqs[i]
+            sp = SamplingParams(max_new_tokens=n or N_NEW, ignore_eos=True)
+            engine.add_request(
+                GenerateRequest(str(k), segs, parse_history(cache, len(segs)), sp, True)
+            )
+        for ev in engine.step():
+            toks, lps, meta = out.setdefault(ev.rid, ([], [], {}))
+            toks.append(ev.token_id)
+            lps.append(ev.logprob)
+            if ev.finished:
+                meta.update(ev.meta)
+        steps += 1
+        assert steps < MAX_STEPS, "the engine stopped making progress"
+    return [out[str(k)] for k in range(len(order))]
+
+
+def mismatches(refs: list[tuple], order: list[int], got: list[tuple]) -> list[str]:
+    bad = []
+    for i, (toks, lps, meta) in zip(order, got, strict=True):
+        ref_toks, ref_lps = refs[i]
+        if meta.get("finish_reason") != "length":
+            bad.append(f"request {i} finished with {meta.get('finish_reason')!r}")
+        elif toks != ref_toks:
+            bad.append(f"request {i}: tokens {toks} != reference {ref_toks}")
+        elif not np.allclose(lps, ref_lps, rtol=0, atol=LOGPROB_ATOL):
+            err = np.max(np.abs(np.asarray(lps) - np.asarray(ref_lps)))
+            bad.append(f"request {i}: log-probs off by {err:.3g}")
+    return bad
+
+
+def pool_that_forces_eviction(model, reqs: list[tuple], page_size: int, times: float) -> int:
+    """``max_total_tokens`` for a pool that holds ``times`` the largest request, so much of
+    the state of a set is evicted and restored between its requests."""
+    probe = Engine(model, max_total_tokens=page_size, page_size=page_size,
+                   attention_backend="reference")
+    need = max(
+        probe._pages_bound(timeline([len(x) for x in segs], parse_history(c, len(segs))),
+                           N_NEW, parse_history(c, len(segs)))
+        for segs, c in reqs
+    )
+    return page_size * int(need * times)
+
+
+def exact_in_any_order(make_engine: Callable[..., Engine], model, reqs: list[tuple],
+                       refs: list[tuple], seed: int, page_size: int = 4) -> dict:
+    """Run the whole protocol; returns counters of the small-pool engine. Raises
+    AssertionError listing every mismatch with the phase it appeared in."""
+    rng = np.random.default_rng(seed)
+    n = len(reqs)
+    forward, backward = list(range(n)), list(range(n))[::-1]
+    bad: list[str] = []
+
+    def phase(eng, name, order, concurrent):
+        got = run_requests(eng, reqs, order, concurrent)
+        bad.extend(f"{name}: {m}" for m in mismatches(refs, order, got))
+
+    big = make_engine(max_total_tokens=16384, page_size=page_size)
+    phase(big, "serial", forward, False)
+    phase(big, "concurrent", list(rng.permutation(n)), True)
+    assert big.flush_cache() and big.pool.used_pages == 0
+    phase(big, "after flush, reversed", backward, False)
+    phase(big, "random order", list(rng.permutation(n)), False)
+    assert big.flush_cache() and big.pool.used_pages == 0, "pages leaked"
+
+    for times in POOL_TIMES:
+        small = make_engine(
+            max_total_tokens=pool_that_forces_eviction(model, reqs, page_size, times),
+            page_size=page_size,
+        )
+        name = f"pool of {times}x the largest request"
+        phase(small, f"{name}, reversed", backward, False)
+        phase(small, f"{name}, random order", list(rng.permutation(n)), False)
+        # Every request several times, all at once: identical requests share their whole
+        # path, and many allocations fall while others decode.
+        phase(small, f"{name}, concurrent", list(rng.permutation(REPEATS * n) % n), True)
+        phase(small, f"{name}, one arrival a step", list(rng.permutation(REPEATS * n) % n), 1)
+    assert not bad, "\n".join(bad)
+    stats = small.stats()
+    assert small.flush_cache() and small.pool.used_pages == 0, "pages leaked"
+    return stats

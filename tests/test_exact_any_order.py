@@ -1,0 +1,113 @@
+"""A request's answer depends on the request alone (DESIGN.md §2), whatever order requests
+come in and whatever the server holds, on every attention backend: the harness in
+exactness.py, against the dense reference. The multidevice process runs the same protocol
+with ``--tp 2`` and ``--disaggregate 2,2`` (test_exact_any_order_multidevice.py)."""
+
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+from exactness import (
+    N_NEW,
+    dense_answers,
+    exact_in_any_order,
+    mismatches,
+    random_histories,
+    reference_answer,
+    run_requests,
+)
+
+from akv_jax.cache.dense_reference import DenseModel
+from akv_jax.cache.ops import parse_history
+from akv_jax.model.config import tiny_config
+from akv_jax.model.params import init_params
+from akv_jax.serving.engine import Engine, GenerateRequest, SamplingParams
+
+NUM_REQUESTS = 24
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_config("qwen3")
+    params = init_params(cfg, jax.random.key(1))
+    model = SimpleNamespace(cfg=cfg, params=params, tokenizer=None)
+    dm = DenseModel(params, cfg)
+    reqs = random_histories(np.random.default_rng(1), NUM_REQUESTS, vocab=cfg.vocab_size,
+                            answer=reference_answer(dm))
+    return model, reqs, dense_answers(dm, reqs)
+
+
+# Interpret mode runs the Pallas kernel's grid in Python: the CI case takes the first 6
+# requests of the set (extensions included: they only extend earlier ones), the slow-marked
+# case all of them. Prefill in 7-row slices (cuts inside segments, at repos writes, across
+# restores) is slow-marked too: test_engine_exact covers slices on every CI run.
+@pytest.mark.parametrize(
+    "backend, chunk, count",
+    [
+        ("reference", 4096, NUM_REQUESTS),
+        ("auto", 4096, NUM_REQUESTS),
+        ("pallas", 4096, 6),
+        pytest.param("pallas", 4096, NUM_REQUESTS, marks=pytest.mark.slow),
+        pytest.param("reference", 7, NUM_REQUESTS, marks=pytest.mark.slow),
+    ],
+    ids=["reference", "chunked", "pallas-interpret", "pallas-interpret-all",
+         "reference-prefill-slices"],
+)
+def test_exact_in_any_order(setup, backend, chunk, count):
+    model, reqs, refs = setup
+    reqs, refs = reqs[:count], refs[:count]
+
+    def make_engine(**kw):
+        return Engine(model, attention_backend=backend, prefill_chunk=chunk, **kw)
+
+    stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7)
+    # The small pool really evicted and restored, dead KV first.
+    assert stats["evictions"] > 0 and stats["dead_evictions"] > 0
+    assert stats["restores"] > 0
+
+
+def test_a_request_after_its_extension_keeps_its_view_under_eviction(setup):
+    """The bug the random protocol found (issue 12): a request whose path ends inside the
+    stored path of its own extension, which drops one of its segments. That segment's KV is
+    dead for every *stored* path below, but the running request still attends to it: it
+    must not be evicted while the request decodes (a pool with no spare page makes its
+    first decode allocation evict)."""
+    model = setup[0]
+    base = ([list(range(1, 9)), list(range(10, 18)), list(range(20, 28))],
+            {"drop": {}, "reposition": []})
+    ext = (base[0] + [list(range(30, 38))], {"drop": {"3": [1]}, "reposition": []})
+    reqs = [base, ext]
+    refs = dense_answers(DenseModel(model.params, model.cfg), reqs, 8)
+    eng = Engine(model, max_total_tokens=8 * 5, page_size=8, attention_backend="reference")
+    assert eng.num_pages == 5  # the extension and its 7 cached answer tokens fill it
+    run_requests(eng, reqs, [1], False, 8)
+    got = run_requests(eng, reqs, [0], False, 8)
+    assert mismatches(refs, [0], got) == []
+    assert eng.tree.evictions > 0  # the decode allocation did evict (a live node, not the
+    assert eng.flush_cache() and eng.pool.used_pages == 0  # base's segment 1)
+
+
+def test_a_prefix_stored_in_too_many_pages_fails_clearly(setup):
+    """check() bounds a request's pages by its own segments; a prefix stored split at other
+    requests' message boundaries can need more. Such a request fails with a message that
+    says so, instead of being cut short when its decode finds no page."""
+    model = setup[0]
+    t = list(range(1, 41))
+    split = ([t[:5], t[5:10], t[10:15]], {"drop": {}, "reposition": []})
+    whole = ([t[:16]], {"drop": {}, "reposition": []})
+    eng = Engine(model, max_total_tokens=16 * 4, page_size=16, attention_backend="reference")
+    (first,) = run_requests(eng, [split, whole], [0], False)
+    assert first[2]["finish_reason"] == "length"
+    events = []
+    eng.add_request(GenerateRequest("w", whole[0], parse_history(None, 1),
+                                    SamplingParams(max_new_tokens=N_NEW), True))
+    while eng.has_work():
+        events += eng.step()
+    (ev,) = events
+    assert ev.finish_reason == "error" and "raise --max-total-tokens" in ev.error
+    assert eng.flush_cache() and eng.pool.used_pages == 0
+    # On a fresh engine of the same size the same request is exact.
+    fresh = Engine(model, max_total_tokens=16 * 4, page_size=16, attention_backend="reference")
+    refs = dense_answers(DenseModel(model.params, model.cfg), [whole])
+    assert mismatches(refs, [0], run_requests(fresh, [whole], [0], False)) == []

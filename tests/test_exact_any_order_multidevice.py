@@ -1,0 +1,40 @@
+"""The request-order exactness protocol (exactness.py) with ``--tp 2`` and with
+``--disaggregate 2,2`` on forced host devices.
+
+Run in its own process (XLA_FLAGS must be set before jax is imported):
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest -m multidevice tests/
+"""
+
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+from exactness import dense_answers, exact_in_any_order, random_histories, reference_answer
+
+from akv_jax.cache.dense_reference import DenseModel
+from akv_jax.model.config import tiny_config
+from akv_jax.model.params import init_params
+from akv_jax.serving.engine import Engine
+
+pytestmark = pytest.mark.multidevice
+
+
+@pytest.mark.parametrize("topology", [{"tp": 2}, {"disaggregate": (2, 2)}],
+                         ids=["tp2", "disaggregate-2-2"])
+def test_exact_in_any_order_multidevice(topology):
+    if jax.device_count() < 4:
+        pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
+    cfg = tiny_config("qwen3")
+    params = init_params(cfg, jax.random.key(1))
+    model = SimpleNamespace(cfg=cfg, params=params, tokenizer=None)
+    dm = DenseModel(params, cfg)
+    reqs = random_histories(np.random.default_rng(1), 24, vocab=cfg.vocab_size,
+                            answer=reference_answer(dm))
+    refs = dense_answers(dm, reqs)
+
+    def make_engine(**kw):
+        return Engine(model, attention_backend="reference", **topology, **kw)
+
+    stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7)
+    assert stats["evictions"] > 0 and stats["restores"] > 0
