@@ -67,6 +67,7 @@ import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
 
 from akv_jax.agent.launch import LocalServer
+from akv_jax.cache.ops import add_random_ops
 
 VOCAB = 512  # tiny_config's vocabulary
 BODY_LIMIT = 64 << 20  # protocol.Limits.max_body_bytes, the server default
@@ -144,12 +145,7 @@ def next_history(rng: np.random.Generator, pool: list[History]) -> History:
     for seg in new:
         segs.append(seg)
         s = len(segs) - 1
-        cand = [i for i in range(s + 1) if i not in dropped and rng.random() < 0.2]
-        if cand:
-            cache["drop"][str(s)] = cand
-            dropped.update(cand)
-        if rng.random() < 0.3:
-            cache["reposition"].append(s)
+        add_random_ops(rng, cache, s, dropped, p_drop=0.2, p_repos=0.3)
     h = History(len(pool), segs, cache, int(rng.integers(4, 9)),
                 None if parent is None else parent.index)
     if parent is not None:

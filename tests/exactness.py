@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from akv_jax.cache.dense_reference import DenseModel
-from akv_jax.cache.ops import parse_history
+from akv_jax.cache.ops import add_random_ops, parse_history
 from akv_jax.cache.timeline import timeline
 from akv_jax.serving.engine import Engine, GenerateRequest, SamplingParams
 
@@ -53,12 +53,7 @@ def random_histories(rng: np.random.Generator, count: int, vocab: int,
             segs.append(rng.integers(0, vocab, size=int(rng.integers(1, 30))).tolist())
             s = len(segs) - 1
             # Middle segments mostly; the segment just appended (the last boundary) too.
-            cand = [i for i in range(s + 1) if i not in dropped and rng.random() < 0.25]
-            if cand:
-                cache["drop"][str(s)] = cand
-                dropped.update(cand)
-            if rng.random() < 0.3:
-                cache["reposition"].append(s)
+            add_random_ops(rng, cache, s, dropped, p_drop=0.25, p_repos=0.3)
         reqs.append((segs, cache))
     return reqs
 
@@ -68,23 +63,25 @@ def reference_answer(dm: DenseModel) -> Callable[[list, dict], list[int]]:
     return lambda segs, cache: dense_answers(dm, [(segs, cache)])[0][0]
 
 
+def dense_greedy(dm: DenseModel, segs: list, history, n: int) -> tuple[list, list]:
+    """Greedy tokens and their float log-probs from the dense reference."""
+    logits, st = dm.run(segs, history)
+    last, toks, lps = logits[-1], [], []
+    for i in range(n):
+        lp = last - (np.log(np.exp(last - last.max()).sum()) + last.max())
+        t = int(np.argmax(last))
+        toks.append(t)
+        lps.append(float(lp[t]))
+        if i < n - 1:
+            lg, st = dm.append(st, [t])
+            last = lg[-1]
+    return toks, lps
+
+
 def dense_answers(dm: DenseModel, reqs: list[tuple], n: int | None = None) -> list[tuple]:
     """``(tokens, logprobs)`` of greedy generation by the dense reference, per request."""
-    n = n or N_NEW
-    out = []
-    for segs, cache in reqs:
-        logits, st = dm.run(segs, parse_history(cache, len(segs)))
-        last, toks, lps = logits[-1], [], []
-        for i in range(n):
-            lp = last - (np.log(np.exp(last - last.max()).sum()) + last.max())
-            t = int(np.argmax(last))
-            toks.append(t)
-            lps.append(float(lp[t]))
-            if i < n - 1:
-                lg, st = dm.append(st, [t])
-                last = lg[-1]
-        out.append((toks, lps))
-    return out
+    return [dense_greedy(dm, segs, parse_history(cache, len(segs)), n or N_NEW)
+            for segs, cache in reqs]
 
 
 def run_requests(engine: Engine, reqs: list[tuple], order: list[int], concurrent: bool | int,

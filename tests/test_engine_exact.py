@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from exactness import dense_greedy as dense_generate
+from exactness import run_requests
 
 from akv_jax.cache.dense_reference import DenseModel
-from akv_jax.cache.ops import CacheOpError, parse_history
+from akv_jax.cache.ops import CacheOpError, add_random_ops, parse_history
 from akv_jax.cache.timeline import timeline
 from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
@@ -26,20 +28,6 @@ def model():
     cfg = tiny_config("qwen3")
     params = init_params(cfg, jax.random.key(3))
     return SimpleNamespace(cfg=cfg, params=params, tokenizer=None), DenseModel(params, cfg)
-
-
-def dense_generate(dm, segs, h, n):
-    logits, st = dm.run(segs, h)
-    last, out, lps = logits[-1], [], []
-    for i in range(n):
-        lp = last - (np.log(np.exp(last - last.max()).sum()) + last.max())
-        t = int(np.argmax(last))
-        out.append(t)
-        lps.append(float(lp[t]))
-        if i < n - 1:
-            lg, st = dm.append(st, [t])
-            last = lg[-1]
-    return out, lps
 
 
 def random_requests(rng, count, vocab=500):
@@ -56,33 +44,14 @@ def random_requests(rng, count, vocab=500):
         for _ in range(int(rng.integers(1, 5))):
             segs.append(rng.integers(0, vocab, size=int(rng.integers(1, 20))).tolist())
             s = len(segs) - 1
-            cand = [i for i in range(s + 1) if i not in dropped and rng.random() < 0.2]
-            if cand:
-                cache["drop"][str(s)] = cand
-                dropped.update(cand)
-            if rng.random() < 0.3:
-                cache["reposition"].append(s)
+            add_random_ops(rng, cache, s, dropped, p_drop=0.2, p_repos=0.3)
         reqs.append((segs, cache))
     return reqs
 
 
 def run(engine, reqs, concurrent):
-    out = {}
-    pending = list(enumerate(reqs))
-    while pending or engine.has_work():
-        while pending and (concurrent or not engine.has_work()):
-            i, (segs, cache) = pending.pop(0)
-            h = parse_history(cache, len(segs))
-            engine.add_request(
-                GenerateRequest(str(i), segs, h, SamplingParams(max_new_tokens=N_NEW), True)
-            )
-        for ev in engine.step():
-            toks, lps, meta = out.setdefault(ev.rid, ([], [], {}))
-            toks.append(ev.token_id)
-            lps.append(ev.logprob)
-            if ev.finished:
-                meta.update(ev.meta)
-    return [out[str(i)] for i in range(len(reqs))]
+    """``(tokens, logprobs, meta)`` per request, sent in order (one at a time or at once)."""
+    return run_requests(engine, reqs, list(range(len(reqs))), concurrent, n=N_NEW)
 
 
 def check(dm, reqs, results):

@@ -205,3 +205,19 @@ def validate_segments(segments: Any, field: str = "input_ids", vocab_size: int |
             ids.append(t)
         out.append(ids)
     return out
+
+
+def add_random_ops(rng: np.random.Generator, cache: dict[str, Any], boundary: int,
+                   dropped: set[int], p_drop: float, p_repos: float) -> None:
+    """Fuzzing helper: random ops at ``boundary`` of an API-form ``cache`` (in place).
+
+    Each segment up to the boundary not in ``dropped`` (the one just appended included, so
+    drops land in the middle and at the last boundary) is dropped with probability
+    ``p_drop``; then a reposition with probability ``p_repos``. The tests and
+    ``bench/soak.py`` build their random histories with it."""
+    cand = [i for i in range(boundary + 1) if i not in dropped and rng.random() < p_drop]
+    if cand:
+        cache["drop"][str(boundary)] = cand
+        dropped.update(cand)
+    if rng.random() < p_repos:
+        cache["reposition"].append(boundary)
