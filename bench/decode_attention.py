@@ -25,9 +25,11 @@ Timed, each jit-compiled (compile excluded), median of ``repeats`` runs:
   active token (the view a page-skipping kernel reads; same outputs, checked), i.e. what the
   work costs when invisible pages are skipped rather than masked.
 
-On the CPU, ``auto`` is the jnp reference, which *masks* invisible slots and still reads every
-page: its time does not fall with the active fraction. The Pallas kernels skip invisible pages
-(:mod:`akv_jax.pallas.plan`) but run on GPU/TPU (on the CPU only in interpret mode, for tests).
+On the CPU, ``auto`` is the chunked jnp attention (:mod:`akv_jax.pallas.chunked`), which, like
+the Pallas kernels on GPU/TPU, reads only the visible pages :mod:`akv_jax.pallas.plan` gives it;
+the ``reference`` row is the jnp reference, which *masks* invisible slots and still reads every
+page, so its time does not fall with the active fraction. (The Pallas kernels run on the CPU only
+in interpret mode, for tests.)
 The script says which one it measured. Results: bench/results/decode_attention.json and
 decode_attention.png; the last line printed is a summary.
 """

@@ -1,10 +1,14 @@
 """One-pass restore vs op-by-op replay vs a plain causal prefill of the same tokens.
 
-A 24-segment history with 12 drops and 2 repositions on a small random model (CPU, float32,
-jnp reference attention). Every path is compiled first; each is then timed several times and
-the medians are reported, with ratios measured in this same run.
+A 24-segment history with 12 drops and 2 repositions on a small random model (CPU, float32;
+``--backend auto`` is the chunked jnp attention on the CPU). Every path is compiled first;
+each is then timed several times and the medians are reported, with ratios measured in this
+same run.
 
     python bench/restore.py [--runs 7] [--out bench/results/restore.json]
+
+The JSON goes to ``--out`` if given, else to a temporary file (its path is printed), so a run
+never overwrites the tracked result unless asked to.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,7 +79,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--block-q", type=int, default=32)
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
-    ap.add_argument("--out", default="bench/results/restore.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results JSON (default: a temporary file, printed)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     segs, hist = agent_history(rng)
@@ -128,9 +134,11 @@ def main() -> None:
         one_pass_speedup_vs_op_by_op=t_ops / t_one,
         one_pass_over_plain_prefill=t_one / t_plain,
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    out = args.out or Path(tempfile.mkstemp(prefix="restore-", suffix=".json")[1])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result["median_s"]), f"tokens={T}")
+    print(f"results: {out}")
     print(
         f"restore: one-pass {t_ops / t_one:.2f}x faster than op-by-op, "
         f"{t_one / t_plain:.2f}x of plain prefill"

@@ -5,6 +5,7 @@ import pytest
 from akv_jax.agent.messages import Message, Request
 from akv_jax.agent.policies import (
     PAPER_STANDARD_THRESHOLD,
+    POLICIES,
     ContextOverflow,
     RollingDrop,
     Scale,
@@ -206,21 +207,35 @@ def test_text_engineering_compacts_more_often_than_standard():
 
 def test_generated_trajectories_fit_every_policy():
     spec = TrajectorySpec()
+    kinds: dict[str, set[str]] = {name: set() for name in POLICIES}
     for i in range(4):
         traj = make_trajectory(7, i, spec)
         assert make_trajectory(7, i, spec) == traj  # seeded
         assert 15 <= len(traj.turns) <= spec.max_turns
         assert all(20 <= t.output_tokens <= 200 and 100 <= len(t.tool) <= 2000
                    for t in traj.turns)
-        pol = make_policy("akv", Scale(spec.context))
-        history = traj.initial_history()
-        for turn in traj.turns:
-            req = pol.next_request(history, turn.output_tokens)
-            ops = parse_history(req.cache, len(history))
-            tl = timeline([len(s) for s in req.segments], ops)
-            assert tl.max_position < spec.context
-            assert tl.next_pos + turn.output_tokens <= spec.context
-            history += [Message("assistant", turn.assistant), Message("tool", turn.tool)]
+        for name in POLICIES:
+            pol = make_policy(name, Scale(spec.context))
+            history = traj.initial_history()
+            for turn in traj.turns:
+                # Every request a turn takes (a summary first, for the compacting policies)
+                # stays inside the position limit with its answer.
+                while True:
+                    req = pol.next_request(history, turn.output_tokens)
+                    ops = parse_history(req.cache, len(req.segments))
+                    tl = timeline([len(s) for s in req.segments], ops)
+                    assert tl.max_position < spec.context
+                    assert tl.next_pos + req.max_new_tokens <= spec.context
+                    kinds[name].add(req.kind)
+                    pol.observe(req, (5,) * req.max_new_tokens)
+                    if req.kind == "turn":
+                        assert req.max_new_tokens == turn.output_tokens
+                        break
+                history += [Message("assistant", turn.assistant), Message("tool", turn.tool)]
+    # the compacting policies did compact on these trajectories: their summary requests
+    # were checked too, not only their turns
+    assert kinds == {"akv": {"turn"}, "standard": {"turn", "summary"},
+                     "text_engineering": {"turn", "summary"}}
     # long enough that Standard must summarise, on average
     mean = sum(make_trajectory(7, i, spec).num_tokens for i in range(8)) / 8
     assert mean > Scale(spec.context).tokens(PAPER_STANDARD_THRESHOLD)

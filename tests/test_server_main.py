@@ -1,9 +1,10 @@
 """``python -m akv_jax.serving.main``: startup errors are one line and a non-zero exit; the
-API key flag; and (slow) the default model with no flags."""
+API key flag; and the default model with every default flag but the port."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -127,20 +128,24 @@ def test_warmup_shapes_and_chunked_prefill_server():
     assert len(outs[0]) == 4 and outs[0] == outs[1]
 
 
-@pytest.mark.slow
-def test_default_model_with_no_flags(default_model_cache):
-    """The embedded SmolLM2-135M-Instruct on 127.0.0.1:30000 (the conftest fixture converts it
-    into the session's AKV_JAX_CACHE, which the server inherits). Skipped if the port is
-    taken."""
-    with socket.socket() as probe:
-        if probe.connect_ex(("127.0.0.1", 30000)) == 0:
-            pytest.skip("port 30000 is in use")
-    proc = subprocess.Popen([sys.executable, "-m", "akv_jax.serving.main"],
+def test_default_model_with_no_flags_but_port_0(default_model_cache):
+    """No flags means the embedded SmolLM2-135M-Instruct on 127.0.0.1:30000. The defaults are
+    read from the parser (the one place that holds them); the server then runs with every
+    default but the port, which is 0 so the test never depends on 30000 being free (the conftest
+    fixture converts the model into the session's AKV_JAX_CACHE, which the server inherits)."""
+    from akv_jax.serving.main import build_parser, served_name
+
+    args = build_parser().parse_args([])
+    assert (args.model_path, args.host, args.port) == (None, "127.0.0.1", 30000)
+    assert served_name(args.model_path) == "SmolLM2-135M-Instruct"
+    proc = subprocess.Popen([sys.executable, "-m", "akv_jax.serving.main", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline().strip()
-        assert line == "akv_jax serving SmolLM2-135M-Instruct on http://127.0.0.1:30000"
-        with openai.OpenAI(base_url="http://127.0.0.1:30000/v1", api_key="x",
+        m = re.fullmatch(r"akv_jax serving SmolLM2-135M-Instruct on (http://127\.0\.0\.1:(\d+))",
+                         line)
+        assert m and int(m[2]) != 0, line
+        with openai.OpenAI(base_url=m[1] + "/v1", api_key="x",
                            max_retries=0, timeout=300) as client:
             resp = client.chat.completions.create(
                 model="SmolLM2-135M-Instruct", temperature=0, max_tokens=20,

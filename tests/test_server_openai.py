@@ -44,6 +44,8 @@ def test_models_list(client):
 
 
 def test_chat_non_stream(client, server):
+    # From an empty cache nothing is cached (the shared server has seen this prompt before).
+    assert httpx.post(server.url + "/flush_cache", timeout=120).json() == {"flushed": True}
     resp = chat(client, [SYSTEM, USER1], max_tokens=6)
     assert resp.object == "chat.completion" and resp.model == "tiny"
     assert len(resp.choices) == 1
@@ -53,12 +55,15 @@ def test_chat_non_stream(client, server):
     assert resp.usage.prompt_tokens == prompt_len([SYSTEM, USER1])
     assert resp.usage.completion_tokens == 6
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 6
-    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
     # The same prompt through /generate, as segments (messages + generation prompt), gives
-    # the same tokens: the content is their text.
+    # the same tokens: the content is their text. It finds the chat's KV resident: all but
+    # the last segment is cached (that one is recomputed for the logits).
     segments = TOK.encode_messages([SYSTEM, USER1], add_generation_prompt=True)
     out = httpx.post(server.url + "/generate", timeout=120, json={
         "input_ids": segments, "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    assert out.json()["meta_info"]["cached_tokens"] == resp.usage.prompt_tokens - len(
+        segments[-1])
     assert choice.message.content == TOK.decode(out.json()["output_ids"],
                                                 skip_special_tokens=True)
 

@@ -1,9 +1,14 @@
 """A deliberately naive dense reference of the op semantics (tests only).
 
-numpy, float64, no pages, no batching, no shared code with the JAX path beyond the params:
-every cached token keeps its raw (unrotated) key, its value, its current position and an
-active flag; attention builds explicit per-query masks and rotates keys from scratch. It is
-slow and obviously right, which is its job.
+numpy, float64, no pages, no batching. It shares with the JAX path only the model's
+constants: the config, the params (as arrays) and the RoPE inverse frequencies
+(:func:`akv_jax.model.rope.hf_inv_freq`). None of those is what this oracle checks (positions,
+visibility, repos, segment order); the frequencies are transformers' per-model constants,
+checked against transformers by the golden parity tests, and a second copy of that rule here
+would only be a duplicate. Everything the ops decide is computed from scratch: every cached
+token keeps its raw (unrotated) key, its value, its current position and an active flag;
+attention builds explicit per-query masks and rotates keys from scratch with its own angle
+code. It is slow and obviously right, which is its job.
 """
 
 from __future__ import annotations

@@ -7,9 +7,7 @@ Both the transformers-5 form (``rope_parameters``) and the legacy one (``rope_th
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,10 +73,6 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return self.arch == "qwen3"
-
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that :func:`config_from_hf` reads back to this config."""
@@ -178,15 +172,6 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
-
-
-def load_hf_config(path: str | Path) -> ModelConfig:
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        raise ConfigError(f"no config.json at {path}")
-    return config_from_hf(json.loads(path.read_text()))
 
 
 def tiny_config(arch: str = "qwen3", vocab_size: int = 512) -> ModelConfig:

@@ -43,10 +43,6 @@ class Case:
             used[np.asarray(s.pages)[idx // self.page_size], idx % self.page_size] = True
         return used
 
-    @property
-    def visible_tokens(self) -> int:
-        return int(sum(s.kv_visible.sum() for s in self.specs))
-
 
 class _Pages:
     """Hands out shuffled physical page ids with spare pages left unused in between."""

@@ -25,7 +25,7 @@ import jax
 
 from akv_jax.pallas import repos as repos_lib
 from akv_jax.pallas.chunked import segment_attention_chunked
-from akv_jax.pallas.metadata import SegmentBatch
+from akv_jax.pallas.metadata import SegmentBatch, is_pow2
 from akv_jax.pallas.reference import repos_reference, segment_attention_reference
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
 from akv_jax.pallas.segment_attention_tpu import segment_attention_tpu
@@ -49,9 +49,6 @@ def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, boo
         return "reference", False
     return "gpu", True  # pallas on the CPU: the GPU body, interpreted
 
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def make_attention_fn(
@@ -84,7 +81,7 @@ def make_attention_fn(
     def attention(q, k_pages, v_pages, batch, layer=None):
         if layer is not None:  # the kernels take one layer's pool
             k_pages, v_pages = k_pages[layer], v_pages[layer]
-        if impl == "gpu" and backend == "auto" and not _is_pow2(k_pages.shape[1]):
+        if impl == "gpu" and backend == "auto" and not is_pow2(k_pages.shape[1]):
             return reference(q, k_pages, v_pages, batch)
         return kernel(q, k_pages, v_pages, batch)
 

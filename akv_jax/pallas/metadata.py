@@ -26,6 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Finite "minus infinity" for masked scores, shared by every attention path: a fully masked
+# row then gives exact zeros (exp underflows) instead of NaN from inf - inf.
+NEG_INF = -1e30
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

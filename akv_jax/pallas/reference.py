@@ -11,9 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from akv_jax.model.rope import RopeTable, rerotate
-from akv_jax.pallas.metadata import SegmentBatch
-
-_NEG = -1e30  # finite "minus infinity": fully masked rows give zeros instead of NaN
+from akv_jax.pallas.metadata import NEG_INF, SegmentBatch
 
 
 def segment_attention_reference(
@@ -70,7 +68,7 @@ def segment_attention_reference(
         # Invisible slots may hold anything (NaN included): never let them reach the sums.
         v = jnp.where(visible[:, None, None], v, 0.0)
         s = jnp.einsum("qhgd,khd->hgqk", qb, k) * sm_scale
-        s = jnp.where(mask[None, None], s, _NEG)
+        s = jnp.where(mask[None, None], s, NEG_INF)
         m = s.max(axis=-1, keepdims=True)
         if sinks is not None:
             sk = sinks.astype(jnp.float32).reshape(Hkv, G, 1, 1)

@@ -32,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from akv_jax.model.rope import RopeTable
+from akv_jax.pallas.metadata import is_pow2
 
 
 def rotation_tables(
@@ -48,11 +49,8 @@ def rotation_tables(
 
 def gpu_supports(page_size: int, head_dim: int) -> bool:
     """Triton tensors are power-of-two sized: page size and half the head dim must be."""
-    return _is_pow2(page_size) and head_dim % 2 == 0 and _is_pow2(head_dim // 2)
+    return is_pow2(page_size) and head_dim % 2 == 0 and is_pow2(head_dim // 2)
 
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _repos_gpu_kernel(pages_ref, cos_ref, sin_ref, k_ref, o_ref):

@@ -29,9 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from akv_jax.pallas import plan as plan_lib
-from akv_jax.pallas.metadata import SegmentBatch
+from akv_jax.pallas.metadata import NEG_INF, SegmentBatch
 
-NEG = -1e30  # finite "minus infinity", same as the reference: masked rows give exact zeros
 # Split-K aims at ~4 programs per SM of a 132-SM H100/H200 (decode streams KV: more resident
 # programs hide more memory latency), with at most 64 splits.
 _TARGET_PROGRAMS = 4 * 132
@@ -93,10 +92,10 @@ def _gpu_kernel(
         mask = (pos >= 0) & (pos <= row_pos)
         if sliding_window is not None:
             mask &= pos > row_pos - sliding_window
-        s = jnp.where(mask, s, NEG)
+        s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
-        # where(), not just exp(): a row with nothing visible yet has m_new == NEG.
+        # where(), not just exp(): a row with nothing visible yet has m_new == NEG_INF.
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         lsum = alpha * lsum + p.sum(axis=1)
         # Invisible slots may hold NaN; 0 * NaN would leak through the matmul.
@@ -108,7 +107,7 @@ def _gpu_kernel(
 
     init = (
         jnp.zeros((M, Dp), jnp.float32),
-        jnp.full((M,), NEG, jnp.float32),
+        jnp.full((M,), NEG_INF, jnp.float32),
         jnp.zeros((M,), jnp.float32),
     )
     acc, m, lsum = jax.lax.fori_loop(0, steps, body, init)

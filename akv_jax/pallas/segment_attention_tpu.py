@@ -34,9 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from akv_jax.pallas import plan as plan_lib
-from akv_jax.pallas.metadata import SegmentBatch
+from akv_jax.pallas.metadata import NEG_INF, SegmentBatch
 
-NEG = -1e30  # finite "minus infinity", same as the reference
 _LANES = 128
 # Scalar prefetch lives in SMEM (1 MiB per core up to v6e); the work list is sized for the
 # worst case, every block reading every page (blocks x pages words).
@@ -50,7 +49,7 @@ def _tpu_kernel(
     pages_ref,  # [S * MPp] int32 (used by the index maps only)
     # inputs (VMEM blocks)
     row_off_ref,  # [M, 1] int32 query row of each tile row
-    sinks_ref,  # [Hkv, M, 128] float32 initial running max (sink logit or NEG)
+    sinks_ref,  # [Hkv, M, 128] float32 initial running max (sink logit or NEG_INF)
     q_ref,  # [Hkv, M, Dh]
     k_ref,  # [ps, Hkv, Dh] the step's page, all kv heads
     v_ref,  # [ps, Hkv, Dh]
@@ -104,7 +103,7 @@ def _tpu_kernel(
                 q, k, (((1,), (1,)), ((), ())), precision=prec,
                 preferred_element_type=jnp.float32,
             ) * sm_scale
-            s = jnp.where(mask, s, NEG)
+            s = jnp.where(mask, s, NEG_INF)
             m_prev = jnp.max(m_ref[h], axis=1, keepdims=True)  # [M, 1] (lanes are equal)
             l_prev = jnp.max(l_ref[h], axis=1, keepdims=True)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -202,7 +201,7 @@ def segment_attention_tpu(
     )
     row_off = jnp.minimum(jnp.arange(M, dtype=jnp.int32) // G, rows - 1)[:, None]
     if sinks is None:
-        sink_rows = jnp.full((Hkv, M), NEG, jnp.float32)
+        sink_rows = jnp.full((Hkv, M), NEG_INF, jnp.float32)
     else:
         s = jnp.tile(sinks.astype(jnp.float32).reshape(Hkv, G), (1, rows))
         sink_rows = jnp.pad(s, ((0, 0), (0, M - rows * G)))

@@ -1,4 +1,4 @@
-"""``python -m akv_jax.serving.main``: serve a model over HTTP (see docs/serving.md).
+"""``python -m akv_jax.serving.main``: serve a model over HTTP (see "Serving" in README.md).
 
 With no flags it serves the embedded default model on 127.0.0.1:30000. Every startup problem
 (bad flag, unloadable model, port in use) is one line on stderr and a non-zero exit, never a

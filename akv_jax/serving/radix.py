@@ -77,10 +77,6 @@ class Node:
         self._held_ranges: Ranges | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.key) if self.kind == "tokens" else 0
-
-    @property
     def evicted(self) -> bool:
         return self.kind in ("tokens", "repos") and self.pages is None
 
