@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 from akv_jax.cache.ops import OpHistory  # noqa: E402
 from akv_jax.model.config import ModelConfig, RopeConfig  # noqa: E402
 from akv_jax.model.params import seeded_params  # noqa: E402
-from akv_jax.serving.engine import Engine, GenerateRequest, SamplingParams  # noqa: E402
+from akv_jax.serving.engine import Engine  # noqa: E402
+from akv_jax.serving.types import GenerateRequest, SamplingParams  # noqa: E402
 
 # kv heads 8, q heads 16, ffn 1024: every degree up to 8 shards heads and the FFN.
 CFG = ModelConfig(

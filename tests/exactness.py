@@ -18,7 +18,8 @@ import numpy as np
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import add_random_ops, parse_history
 from akv_jax.cache.timeline import timeline
-from akv_jax.serving.engine import Engine, GenerateRequest, SamplingParams
+from akv_jax.serving.engine import Engine
+from akv_jax.serving.types import GenerateRequest, SamplingParams
 
 N_NEW = 8
 LOGPROB_ATOL = 1e-4

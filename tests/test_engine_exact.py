@@ -18,7 +18,8 @@ from akv_jax.cache.ops import CacheOpError, add_random_ops, parse_history
 from akv_jax.cache.timeline import timeline
 from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
-from akv_jax.serving.engine import Engine, GenerateRequest, SamplingParams
+from akv_jax.serving.engine import Engine
+from akv_jax.serving.types import GenerateRequest, SamplingParams
 
 N_NEW = 4
 

@@ -22,7 +22,8 @@ from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history
 from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
-from akv_jax.serving.engine import Engine, GenerateRequest, SamplingParams
+from akv_jax.serving.engine import Engine
+from akv_jax.serving.types import GenerateRequest, SamplingParams
 
 NUM_REQUESTS = 24
 

@@ -26,7 +26,9 @@ from server_support import ServerProcess, shared_server, sse_events
 from akv_jax.cache.ops import parse_history
 from akv_jax.model.loading import load_model
 from akv_jax.serving.api import create_app
-from akv_jax.serving.engine import AsyncEngine, Engine, GenerateRequest, SamplingParams
+from akv_jax.serving.async_engine import AsyncEngine
+from akv_jax.serving.engine import Engine
+from akv_jax.serving.types import GenerateRequest, SamplingParams
 
 N_NEW = 6
 BASE = list(range(1, 41))  # 40 tokens (5 pages of 8) that most requests share

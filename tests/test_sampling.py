@@ -240,7 +240,7 @@ def engine(sharp):
 
 def request(rid, segs, n, seed=None, temperature=1.0, top_p=1.0, top_k=0, cache=None):
     from akv_jax.cache.ops import parse_history
-    from akv_jax.serving.engine import GenerateRequest, SamplingParams
+    from akv_jax.serving.types import GenerateRequest, SamplingParams
 
     sp = SamplingParams(max_new_tokens=n, temperature=temperature, top_p=top_p, top_k=top_k,
                         seed=seed, ignore_eos=True)
@@ -478,7 +478,7 @@ def serving(engine):
 
     from akv_jax.model.tokenizer import ChatTokenizer
     from akv_jax.serving.api import create_app
-    from akv_jax.serving.engine import AsyncEngine
+    from akv_jax.serving.async_engine import AsyncEngine
 
     cfg = engine.cfg
     app = create_app(

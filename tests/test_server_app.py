@@ -12,7 +12,7 @@ from server_support import sse_events
 from akv_jax.cache.ops import CacheOpError
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.serving.api import create_app
-from akv_jax.serving.engine import GenerateRequest, TokenEvent
+from akv_jax.serving.types import GenerateRequest, TokenEvent
 
 TOK = ChatTokenizer.byte_level_chatml(512)
 EOS = 511  # <|im_end|>

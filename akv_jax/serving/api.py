@@ -29,10 +29,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from akv_jax.cache.ops import CacheOpError
 from akv_jax.serving import protocol
+from akv_jax.serving.async_engine import AsyncEngine
 from akv_jax.serving.detok import TextStream
-from akv_jax.serving.engine import AsyncEngine, GenerateRequest, SamplingParams, TokenEvent
 from akv_jax.serving.metrics import CONTENT_TYPE, ServerMetrics
 from akv_jax.serving.protocol import Limits
+from akv_jax.serving.types import GenerateRequest, SamplingParams, TokenEvent
 
 log = logging.getLogger("akv_jax.serving")
 

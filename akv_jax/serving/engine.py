@@ -23,15 +23,11 @@ Everything here is host-side bookkeeping; the device sees only :func:`forward` a
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import itertools
 import logging
-import queue
-import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,57 +40,17 @@ from akv_jax.model.forward import KVWrites
 from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, transfer_pages
-from akv_jax.serving.multihost import (
-    STOP,
-    MultihostError,
-    apply_commands,
-    broadcast_object,
-    digest,
-    is_peer_loss,
-    peer_failure,
-)
+from akv_jax.serving.multihost import MultihostError, digest, is_peer_loss, peer_failure
 from akv_jax.serving.page_pool import PagePool
 from akv_jax.serving.radix import Node, RadixTree
 from akv_jax.serving.sampler import invalid_param, make_rng, sample
+from akv_jax.serving.types import GenerateRequest, TokenEvent, describe_error
 
 log = logging.getLogger("akv_jax.serving")
 
 
 class PoolTooSmall(RuntimeError):
     """A request that can never fit the KV pool as its prefix is stored."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclasses.dataclass
-class GenerateRequest:
-    rid: str
-    segments: list[list[int]]
-    history: OpHistory
-    sampling: SamplingParams = SamplingParams()
-    return_logprob: bool = False
-
-
-@dataclasses.dataclass
-class TokenEvent:
-    rid: str
-    token_id: int
-    logprob: float | None
-    finished: bool
-    finish_reason: str | None
-    meta: dict
-    # Set, with finish_reason "error", on the last event of a request that failed inside the
-    # engine (its pages are already released); AsyncEngine raises it to the API layer.
-    error: str | None = None
 
 
 PREFILL_BLOCK_Q = 64  # query rows per attention block in prefill forwards
@@ -381,7 +337,7 @@ class Engine:
         """``_fail`` for an exception raised by ``r``'s own work; the traceback goes to the
         log, a one-line message to the client."""
         log.error("request %s failed in %s", r.rid, where, exc_info=e)
-        return self._fail(r, f"engine error ({where}): {_describe(e)}", kv_unwritten)
+        return self._fail(r, f"engine error ({where}): {describe_error(e)}", kv_unwritten)
 
     def _unplan(self, r: _Request, mark: int) -> None:
         """Undo what a ``_plan(r)`` that raised may have left behind (it plans in place):
@@ -845,9 +801,9 @@ class Engine:
             # can tell what the others' engines or KV hold any more.
             if is_peer_loss(e):
                 raise peer_failure(e, "the other processes") from e
-            raise MultihostError(f"the {what} forward failed: {_describe(e)}") from e
+            raise MultihostError(f"the {what} forward failed: {describe_error(e)}") from e
         log.error("the %s forward failed; failing its %d requests", what, len(work), exc_info=e)
-        msg = f"engine error ({what} forward): {_describe(e)}"
+        msg = f"engine error ({what} forward): {describe_error(e)}"
         return [self._fail(r, msg, kv_unwritten=True) for r, _ in work]
 
     def _digest(self, slices: list, decode_pass: list) -> bytes:
@@ -1028,12 +984,6 @@ class Engine:
         r.status = "done"
 
 
-def _describe(e: BaseException) -> str:
-    """One line for a client: the exception's type and message, no traceback."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
 def _node_watermark() -> int:
     """An id above every node made so far (radix node ids come from one rising counter)."""
     return Node((), "root", None).id
@@ -1041,233 +991,3 @@ def _node_watermark() -> int:
 
 def _slots(pages: list[int], n: int, page_size: int) -> list[int]:
     return [pages[i // page_size] * page_size + i % page_size for i in range(n)]
-
-
-class AsyncEngine:
-    """Runs :meth:`Engine.step` on one background thread; requests stream TokenEvents.
-
-    Faults. A request that fails inside the engine ends its stream with a RuntimeError
-    carrying a one-line message (the API answers 500, or ends an SSE stream with an error
-    event); the others go on. A fault outside any one request's work fails every request
-    and restarts from an empty cache. In a multi-host run that (or a lost follower, or
-    engines found to differ) is fatal instead: the engine thread stops, every client waiting
-    on it gets the error, :attr:`failure` holds it and ``on_fatal(message)`` is called
-    (main.py shuts the server down with a one-line error)."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        lockstep: bool = False,
-        on_fatal: Callable[[str], None] | None = None,
-    ):
-        """``lockstep``: this is process 0 of a multi-host run (see multihost.py): every
-        command and step is broadcast to the follower processes."""
-        self.engine = engine
-        self.lockstep = lockstep
-        self.on_fatal = on_fatal
-        self.failure: str | None = None  # why the engine stopped for good, once it has
-        self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="akv-engine", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def call(self, fn, *args, timeout: float = 120.0):
-        """Run ``fn(engine, *args)`` on the engine thread and wait for its result.
-
-        For inspection only: in a multi-host run it is not replicated to the followers
-        (state changes go through :meth:`call_method`)."""
-        return self._wait("call", (fn, args), timeout)
-
-    def call_method(self, name: str, *args, timeout: float = 120.0):
-        """Run ``engine.<name>(*args)`` on the engine thread (replicated across hosts)."""
-        return self._wait("method", (name, args), timeout)
-
-    def flush_cache(self) -> bool:
-        return self.call_method("flush_cache")
-
-    def _wait(self, kind: str, what: tuple, timeout: float):
-        done = threading.Event()
-        box: dict = {}
-        self._check_running()
-        self._inbox.put((kind, (*what, box, done)))
-        self._wake.set()
-        self._check_running()  # stopped meanwhile: _fatal may have drained the inbox already
-        if not done.wait(timeout):
-            raise TimeoutError(f"engine did not answer within {timeout} s")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
-    def _check_running(self) -> None:
-        if self.failure is not None:
-            raise RuntimeError(self.failure)
-        if self._thread is None or not self._thread.is_alive():
-            raise RuntimeError("the engine thread is not running")
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        """The request's events. A request the engine failed raises RuntimeError (after any
-        tokens it produced); closing the generator early aborts the request."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self._streams[req.rid] = (loop, q)
-        finished = False
-        try:
-            # Registered before this check, so a fatal stop either sees this stream (and
-            # delivers its error) or happened before the check (which raises).
-            self._check_running()
-            # Validation errors (Engine.check, run again by add_request on the engine thread)
-            # come back through the stream as exceptions.
-            self._inbox.put(("add", req))
-            self._wake.set()
-            while not finished:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                if item.error is not None:  # the engine failed it and released its pages
-                    raise RuntimeError(item.error)
-                yield item
-        finally:
-            with self._lock:
-                self._streams.pop(req.rid, None)
-            if not finished:  # the client went away: free the request's pages
-                self._inbox.put(("abort", req.rid))
-                self._wake.set()
-
-    def _deliver(self, rid: str, item) -> None:
-        with self._lock:
-            target = self._streams.get(rid)
-        if target is not None:
-            loop, q = target
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # its event loop is closed: nobody is listening any more
-                pass
-
-    def _loop(self) -> None:
-        try:
-            self._serve()
-        except BaseException as e:  # a lost multi-host peer, or a bug in the loop itself
-            self._fatal(e)
-            return
-        if self.lockstep:
-            try:
-                broadcast_object(STOP)
-            except Exception as e:
-                log.warning("could not tell the followers to stop: %s", _describe(e))
-
-    def _serve(self) -> None:
-        eng = self.engine
-        last_sync = time.monotonic()
-        # Multi-host: requests this process's engine failed, replayed on the followers with
-        # the next broadcast, so that theirs drop them too (a no-op where they failed too).
-        failed: list[tuple] = []
-        while not self._stop.is_set():
-            commands: list[tuple] = failed
-            failed = []
-            waiters: list[tuple[int, dict, threading.Event]] = []
-            while True:
-                try:
-                    kind, payload = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "add":
-                    if self.lockstep and payload.sampling.seed is None:
-                        # Every process samples; they must draw the same numbers.
-                        seed = int(np.random.default_rng().integers(2**31))
-                        sampling = dataclasses.replace(payload.sampling, seed=seed)
-                        payload = dataclasses.replace(payload, sampling=sampling)
-                    commands.append(("add", payload))
-                elif kind == "abort":
-                    commands.append(("abort", payload))
-                elif kind == "method":
-                    name, args, box, done = payload
-                    waiters.append((len(commands), box, done))
-                    commands.append(("method", (name, args)))
-                elif kind == "call":  # read-only inspection, never replicated
-                    fn, args, box, done = payload
-                    try:
-                        box["value"] = fn(eng, *args)
-                    except Exception as e:
-                        box["error"] = e
-                    done.set()
-            results = apply_commands(eng, commands)
-            for (kind, payload), (_, res) in zip(commands, results, strict=True):
-                if kind == "add" and isinstance(res, BaseException):
-                    self._deliver(payload.rid, res)
-            for i, box, done in waiters:
-                res = results[i][1]
-                box["error" if isinstance(res, BaseException) else "value"] = res
-                done.set()
-            do_step = eng.has_work()
-            if self.lockstep and (commands or do_step or time.monotonic() - last_sync > 1.0):
-                # Also once a second when idle: a follower that died is noticed here.
-                try:
-                    broadcast_object((commands, do_step))
-                except Exception as e:
-                    raise peer_failure(e, "the follower processes") from e
-                last_sync = time.monotonic()
-            if not do_step:
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
-                continue
-            try:
-                events = eng.step()
-            except MultihostError:
-                raise
-            except Exception as e:
-                if self.lockstep:
-                    # The followers' steps may have gone through: the engines may differ.
-                    raise MultihostError(f"engine step failed: {_describe(e)}") from e
-                log.error("engine step failed: failing every request, emptying the cache",
-                          exc_info=e)
-                events = eng.reset(f"engine error: {_describe(e)}")
-            for ev in events:
-                if ev.error is not None and self.lockstep:
-                    failed.append(("fail", (ev.rid, ev.error)))
-                self._deliver(ev.rid, ev)
-
-    def _fatal(self, e: BaseException) -> None:
-        """Stop for good: every waiting client gets the error, ``on_fatal`` is told."""
-        msg = str(e) if isinstance(e, MultihostError) else f"engine stopped: {_describe(e)}"
-        log.error("%s", msg, exc_info=None if isinstance(e, MultihostError) else e)
-        self.failure = msg  # first, so that new requests see it (see generate)
-        err = RuntimeError(msg)
-        with self._lock:
-            rids = list(self._streams)
-        for rid in rids:
-            self._deliver(rid, err)
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind in ("method", "call"):
-                box, done = payload[-2:]
-                box["error"] = err
-                done.set()
-        if self.on_fatal is not None:
-            self.on_fatal(msg)
-
-    def next_rid(self) -> str:
-        return f"req-{next(self._ids)}"

@@ -156,7 +156,7 @@ def warmup(engine, all_shapes: bool = False) -> None:
     """Compile the prefill and decode shapes a short request uses, then forget it; with
     ``all_shapes``, every step shape of the common path too (Engine.warm_up_shapes)."""
     from akv_jax.cache.ops import OpHistory
-    from akv_jax.serving.engine import GenerateRequest, SamplingParams
+    from akv_jax.serving.types import GenerateRequest, SamplingParams
 
     req = GenerateRequest("warmup", [[0, 1, 2, 3]], OpHistory.empty(1),
                           SamplingParams(max_new_tokens=2, ignore_eos=True), return_logprob=True)
@@ -283,7 +283,7 @@ def build_server(
 ) -> ReadyServer:
     """The uvicorn server around a started engine."""
     from akv_jax.serving.api import create_app
-    from akv_jax.serving.engine import AsyncEngine
+    from akv_jax.serving.async_engine import AsyncEngine
     from akv_jax.serving.protocol import Limits
 
     name = args.served_model_name or served_name(args.model_path)
