@@ -9,6 +9,7 @@ import pytest
 from akv_jax.cache.ops import CacheOpError, OpHistory
 from akv_jax.serving import protocol
 from akv_jax.serving.protocol import Limits
+from akv_jax.serving.types import SamplingParams
 
 LIMITS = Limits(max_segments=8, max_prompt_tokens=100, max_new_tokens=64, max_stop=2,
                 max_body_bytes=10_000)
@@ -29,7 +30,7 @@ def test_generate_defaults_and_flat_list():
     inp = gen({"input_ids": [1, 2, 3]})
     assert inp.segments == [[1, 2, 3]]
     assert inp.history == OpHistory.empty(1)
-    assert inp.sampling == protocol.Sampling(max_new_tokens=16)
+    assert inp.sampling == SamplingParams(max_new_tokens=16)
     assert (inp.return_logprob, inp.stream) == (False, False)
 
 
@@ -45,7 +46,7 @@ def test_generate_full_request():
     })
     assert inp.segments == [[1, 2], [3], [4, 5]]
     assert inp.history == OpHistory(3, {2: (1,)}, (2,))
-    assert inp.sampling == protocol.Sampling(8, 0.7, 0.9, 0, 7, (5, 6), True)
+    assert inp.sampling == SamplingParams(8, 0.7, 0.9, 0, 7, (5, 6), True)
     assert (inp.return_logprob, inp.stream) == (True, True)
 
 

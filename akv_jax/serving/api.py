@@ -260,9 +260,8 @@ class _Server:
             chunks.append(chunk)
         return protocol.parse_json_body(b"".join(chunks), self.limits)
 
-    def make_request(self, segments, history, sampling: protocol.Sampling, logprob: bool):
-        sp = SamplingParams(**dataclasses.asdict(sampling))
-        return GenerateRequest(uuid.uuid4().hex, segments, history, sp, return_logprob=logprob)
+    def make_request(self, segments, history, sampling: SamplingParams, logprob: bool):
+        return GenerateRequest(uuid.uuid4().hex, segments, history, sampling, logprob)
 
     async def check(self, req: GenerateRequest) -> None:
         # In a worker thread: checking a very long request walks every token.

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from akv_jax.serving.types import describe_error
+
 if TYPE_CHECKING:
     from akv_jax.serving.engine import Engine
 
@@ -43,11 +45,6 @@ class MultihostError(RuntimeError):
     disconnected, or their engines diverged. Fatal; the message is one line."""
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
 def is_peer_loss(e: BaseException) -> bool:
     """Whether ``e`` is a collective failing because a peer process went away (gloo and
     the distributed runtime word it so)."""
@@ -59,8 +56,8 @@ def is_peer_loss(e: BaseException) -> bool:
 def peer_failure(e: BaseException, who: str) -> MultihostError:
     """The MultihostError for a collective that raised (``who``: the peers it waited on)."""
     if is_peer_loss(e):
-        return MultihostError(f"lost {who}: a process died or disconnected ({_one_line(e)})")
-    return MultihostError(f"a collective with {who} failed: {_one_line(e)}")
+        return MultihostError(f"lost {who}: a process died or disconnected ({describe_error(e)})")
+    return MultihostError(f"a collective with {who} failed: {describe_error(e)}")
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
@@ -161,4 +158,5 @@ def follower_loop(engine: Engine) -> None:
             except Exception as e:
                 # The leader's step may have gone through: the engines may differ now.
                 log.debug("follower step failed", exc_info=True)
-                raise MultihostError(f"engine step failed on this follower: {_one_line(e)}") from e
+                msg = f"engine step failed on this follower: {describe_error(e)}"
+                raise MultihostError(msg) from e

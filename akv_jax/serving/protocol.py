@@ -15,13 +15,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from akv_jax.cache.ops import CacheOpError, OpHistory, parse_history, validate_segments
+from akv_jax.serving.types import SamplingParams
 
 __all__ = [
     "CacheOpError",
     "ChatInput",
     "GenerateInput",
     "Limits",
-    "Sampling",
     "chat_history",
     "check_prompt_size",
     "final_position",
@@ -47,23 +47,10 @@ class Limits:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Sampling fields common to both endpoints (mirrors the engine's ``SamplingParams``)."""
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
 class GenerateInput:
     segments: list[list[int]]
     history: OpHistory
-    sampling: Sampling
+    sampling: SamplingParams
     return_logprob: bool
     stream: bool
 
@@ -73,7 +60,7 @@ class ChatInput:
     messages: list[dict[str, Any]]
     cache: Any  # raw ``cache`` object; validated once the segment count is known
     max_tokens: int | None  # None: the server default, clipped to the positions left
-    sampling: Sampling  # max_new_tokens is a placeholder until max_tokens is resolved
+    sampling: SamplingParams  # max_new_tokens is a placeholder until max_tokens is resolved
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -185,7 +172,7 @@ _SAMPLING_KEYS = {
 
 def parse_sampling(
     obj: Any, limits: Limits, vocab_size: int | None, field: str = "sampling_params"
-) -> Sampling:
+) -> SamplingParams:
     """The ``sampling_params`` object of /generate (unknown keys are errors, not ignored)."""
     if obj is None:
         obj = {}
@@ -197,7 +184,7 @@ def parse_sampling(
         kw["max_new_tokens"] = _int(
             obj["max_new_tokens"], f"{field}.max_new_tokens", 1, limits.max_new_tokens
         )
-    return Sampling(**kw, **_common_sampling(obj, field + ".", limits, vocab_size))
+    return SamplingParams(**kw, **_common_sampling(obj, field + ".", limits, vocab_size))
 
 
 def _common_sampling(
@@ -372,7 +359,7 @@ def parse_chat(body: dict[str, Any], limits: Limits, vocab_size: int | None) -> 
         messages=messages,
         cache=body.get("cache"),
         max_tokens=max_tokens,
-        sampling=Sampling(max_new_tokens=max_tokens or 1, **common),
+        sampling=SamplingParams(max_new_tokens=max_tokens or 1, **common),
         stop=stop,
         stream=stream,
         include_usage=include_usage,
