@@ -133,14 +133,16 @@ def mismatches(refs: list[tuple], order: list[int], got: list[tuple]) -> list[st
     return bad
 
 
-def pool_that_forces_eviction(model, reqs: list[tuple], page_size: int, times: float) -> int:
-    """``max_total_tokens`` for a pool that holds ``times`` the largest request, so much of
-    the state of a set is evicted and restored between its requests."""
+def pool_that_forces_eviction(model, reqs: list[tuple], page_size: int, times: float,
+                              n_new: int | None = None) -> int:
+    """``max_total_tokens`` for a pool that holds ``times`` the largest request (generating
+    ``n_new`` tokens), so much of the state of a set is evicted and restored between its
+    requests."""
     probe = Engine(model, max_total_tokens=page_size, page_size=page_size,
                    attention_backend="reference")
     need = max(
         probe._pages_bound(timeline([len(x) for x in segs], parse_history(c, len(segs))),
-                           N_NEW, parse_history(c, len(segs)))
+                           n_new or N_NEW, parse_history(c, len(segs)))
         for segs, c in reqs
     )
     return page_size * int(need * times)

@@ -11,11 +11,10 @@ import jax
 import numpy as np
 import pytest
 from exactness import dense_greedy as dense_generate
-from exactness import run_requests
+from exactness import pool_that_forces_eviction, run_requests
 
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import CacheOpError, add_random_ops, parse_history
-from akv_jax.cache.timeline import timeline
 from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
 from akv_jax.serving.engine import Engine
@@ -65,16 +64,8 @@ def check(dm, reqs, results):
 
 def smallest_engine(m, reqs, **kw) -> Engine:
     """An engine (page size 8) whose pool holds just the largest of ``reqs``."""
-    probe = Engine(m, max_total_tokens=8, page_size=8, attention_backend="reference")
-    need = max(
-        probe._pages_bound(
-            timeline([len(x) for x in segs], parse_history(c, len(segs))),
-            N_NEW,
-            parse_history(c, len(segs)),
-        )
-        for segs, c in reqs
-    )
-    return Engine(m, max_total_tokens=8 * need, page_size=8, attention_backend="reference", **kw)
+    tokens = pool_that_forces_eviction(m, reqs, 8, 1, N_NEW)
+    return Engine(m, max_total_tokens=tokens, page_size=8, attention_backend="reference", **kw)
 
 
 def test_serial_concurrent_flush_and_tiny_pool(model):

@@ -296,16 +296,20 @@ class Engine:
             del self.running[r.rid]
         if self.prefilling.get(r.rid) is r:
             del self.prefilling[r.rid]
-            # Part of its KV is unwritten: the nodes it computes go back to evicted (a later
-            # request recomputes them) before anyone may match them.
-            for n in self._written_by(r):
-                n.writer = None
-                if n.pages is not None:
-                    self.pool.free(n.pages)
-                    n.pages = None
+            # Part of its KV is unwritten: back to evicted before anyone may match it.
+            self._unwrite(self._written_by(r))
         if r.gen_pages or r.last_node is not None:
             self._release(r, insert=False)
         r.status = "done"
+
+    def _unwrite(self, nodes: list[Node]) -> None:
+        """Nodes whose KV was never written go back to evicted (a later request recomputes
+        them) and lose their writer."""
+        for n in nodes:
+            n.writer = None
+            if n.pages is not None:
+                self.pool.free(n.pages)
+                n.pages = None
 
     def fail(self, rid: str, message: str) -> TokenEvent | None:
         """End request ``rid`` with an error event (None if it is not queued or running).
@@ -324,11 +328,8 @@ class Engine:
         meta = dict(self._meta(r), completion_tokens=len(r.generated), finish_reason="error")
         if kv_unwritten and r.prefill is not None and r.last_node is not None:
             mine = set(r.prefill.written_pages)
-            for n in self.tree.path_to(r.last_node):
-                if n.pages and mine.intersection(n.pages):
-                    self.pool.free(n.pages)
-                    n.pages = None
-                    n.writer = None
+            self._unwrite([n for n in self.tree.path_to(r.last_node)
+                           if n.pages and mine.intersection(n.pages)])
         self._drop(r)
         self.counters["requests_failed"] += 1
         return TokenEvent(r.rid, -1, None, True, "error", meta, error=message)
@@ -344,12 +345,7 @@ class Engine:
         nodes it marked for writing go back to evicted (nothing wrote them), a lock it took
         is released, and the childless empty nodes it added (ids above ``mark``) are
         removed. Split nodes stay: a split changes no match."""
-        for n in self.tree.nodes():
-            if n.writer == r.rid:
-                n.writer = None
-                if n.pages is not None:
-                    self.pool.free(n.pages)
-                    n.pages = None
+        self._unwrite([n for n in self.tree.nodes() if n.writer == r.rid])
         # Every live request holds one lock, on its last node; any other is r's.
         held: dict[int, int] = {}
         for q in (*self.running.values(), *self.prefilling.values()):
