@@ -206,7 +206,7 @@ class AsyncEngine:
                 try:
                     broadcast_object((commands, do_step))
                 except Exception as e:
-                    raise peer_failure(e, "the follower processes") from e
+                    raise peer_failure(e) from e
                 last_sync = time.monotonic()
             if not do_step:
                 self._wake.wait(timeout=0.05)

@@ -796,7 +796,7 @@ class Engine:
             # Its collectives may have run on some processes and not on others: no process
             # can tell what the others' engines or KV hold any more.
             if is_peer_loss(e):
-                raise peer_failure(e, "the other processes") from e
+                raise peer_failure(e) from e
             raise MultihostError(f"the {what} forward failed: {describe_error(e)}") from e
         log.error("the %s forward failed; failing its %d requests", what, len(work), exc_info=e)
         msg = f"engine error ({what} forward): {describe_error(e)}"

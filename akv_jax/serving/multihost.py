@@ -53,8 +53,21 @@ def is_peer_loss(e: BaseException) -> bool:
                                    "heartbeat", "unhealthy", "UNAVAILABLE"))
 
 
-def peer_failure(e: BaseException, who: str) -> MultihostError:
-    """The MultihostError for a collective that raised (``who``: the peers it waited on)."""
+def peers() -> str:
+    """The processes this one waits on in a collective, as its error messages name them:
+    which collective notices a lost peer first is a race, so every collective on one
+    process names them the same way."""
+    if is_leader():
+        return "the follower processes"
+    if jax.process_count() == 2:
+        return "the leader (process 0)"
+    return "the other processes"
+
+
+def peer_failure(e: BaseException, who: str | None = None) -> MultihostError:
+    """The MultihostError for a collective that raised (``who``: the peers it waited on,
+    by default :func:`peers`)."""
+    who = who or peers()
     if is_peer_loss(e):
         return MultihostError(f"lost {who}: a process died or disconnected ({describe_error(e)})")
     return MultihostError(f"a collective with {who} failed: {describe_error(e)}")
@@ -98,7 +111,7 @@ def check_replicas(step: int, summary: bytes) -> None:
     try:
         every = np.asarray(multihost_utils.process_allgather(mine))
     except Exception as e:
-        raise peer_failure(e, "the other processes") from e
+        raise peer_failure(e) from e
     odd = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
     if odd:
         raise MultihostError(
@@ -142,7 +155,7 @@ def follower_loop(engine: Engine) -> None:
         try:
             msg = broadcast_object(None)
         except Exception as e:
-            raise peer_failure(e, "the leader (process 0)") from e
+            raise peer_failure(e) from e
         if msg == STOP:
             return
         commands, do_step = msg
