@@ -25,16 +25,14 @@ from typing import Any
 
 import numpy as np
 
+from akv_jax.errors import InvalidField
+
 OP_PAD, OP_APPEND, OP_DROP, OP_REPOS = 0, 1, 2, 3
 
 
-class CacheOpError(ValueError):
-    """An invalid request; ``field`` names where (e.g. ``cache.drop["5"][1]``)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+class CacheOpError(InvalidField):
+    """An invalid op history or segment list; ``field`` names where (e.g.
+    ``cache.drop["5"][1]``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, transfer_pages
 from akv_jax.serving.multihost import MultihostError, digest, is_peer_loss, peer_failure
 from akv_jax.serving.page_pool import PagePool
-from akv_jax.serving.radix import Node, RadixTree
+from akv_jax.serving.radix import Node, RadixTree, request_keys
 from akv_jax.serving.sampler import invalid_param, make_rng, sample
 from akv_jax.serving.types import GenerateRequest, TokenEvent, describe_error
 
@@ -75,28 +75,6 @@ def _distinct_buckets(limit: int, pad) -> list[int]:
         out.append(pad(n))
         n = out[-1] + 1
     return out
-
-
-def request_keys(segments: Sequence[Sequence[int]], history: OpHistory):
-    """Radix keys of a request; for each key its absolute token index (-1 for an op) and
-    its boundary (the segment an op follows; -1 for a token)."""
-    keys: list = []
-    tok_index: list[int] = []
-    boundary: list[int] = []
-    starts = np.concatenate([[0], np.cumsum([len(s) for s in segments])]).tolist()
-    for s, seg in enumerate(segments):
-        keys.extend(int(t) for t in seg)
-        tok_index.extend(range(starts[s], starts[s + 1]))
-        boundary.extend([-1] * len(seg))
-        ops = []
-        if history.drops_at(s):
-            ops.append(("drop", tuple((starts[i], starts[i + 1]) for i in history.drops_at(s))))
-        if history.repos_at(s):
-            ops.append(("repos",))
-        keys.extend(ops)
-        tok_index.extend([-1] * len(ops))
-        boundary.extend([s] * len(ops))
-    return keys, tok_index, boundary
 
 
 @dataclasses.dataclass

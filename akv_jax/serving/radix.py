@@ -32,6 +32,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
+from akv_jax.cache.ops import OpHistory
 from akv_jax.serving.page_pool import PagePool
 
 Key = Any  # int token id, or an op tuple
@@ -40,6 +43,32 @@ Ranges = list[tuple[int, int]]  # sorted, disjoint half-open token ranges
 _ALL: Ranges = [(0, 1 << 62)]
 
 _ids = itertools.count()
+
+
+def request_keys(
+    segments: Sequence[Sequence[int]], history: OpHistory
+) -> tuple[list[Key], list[int], list[int]]:
+    """Radix keys of a request (the one statement of how a history becomes keys); for each
+    key its absolute token index (-1 for an op) and its boundary (the segment an op follows;
+    -1 for a token). A drop item names the absolute token ranges it drops, so two requests
+    share it only when they drop the same tokens."""
+    keys: list[Key] = []
+    tok_index: list[int] = []
+    boundary: list[int] = []
+    starts = np.concatenate([[0], np.cumsum([len(s) for s in segments])]).tolist()
+    for s, seg in enumerate(segments):
+        keys.extend(int(t) for t in seg)
+        tok_index.extend(range(starts[s], starts[s + 1]))
+        boundary.extend([-1] * len(seg))
+        ops = []
+        if history.drops_at(s):
+            ops.append(("drop", tuple((starts[i], starts[i + 1]) for i in history.drops_at(s))))
+        if history.repos_at(s):
+            ops.append(("repos",))
+        keys.extend(ops)
+        tok_index.extend([-1] * len(ops))
+        boundary.extend([s] * len(ops))
+    return keys, tok_index, boundary
 
 
 class Node:
