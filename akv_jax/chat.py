@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from akv_jax.model.causal import greedy_generate
-from akv_jax.model.loading import load_model
+from converters.loading import load_model
 
 
 def answer(

@@ -27,11 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from akv_jax.pallas import cases
 from akv_jax.pallas.dispatch import resolve_backend
 from akv_jax.pallas.reference import segment_attention_reference
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
 from akv_jax.pallas.segment_attention_tpu import segment_attention_tpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import pallas_cases as cases  # noqa: E402  (tests/pallas_cases.py: test-support module)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

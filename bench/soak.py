@@ -448,7 +448,7 @@ async def crash_and_restart(
     restart.ready_at = time.monotonic()
     server["srv"] = new
     after = cache_entries(cache_dir)
-    hits = cache_hits(new.stderr)
+    hits = cache_hits(new.stderr_lines)
     info.update(
         restart_ready_s=round(restart.ready_at - t, 2),
         restart_gap_s=round(restart.ready_at - restart.killed_at, 2),
@@ -490,7 +490,7 @@ async def soak(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
     t = time.monotonic()
     first = await asyncio.to_thread(LocalServer, server_args, 300.0, env)
     info["first_ready_s"] = round(time.monotonic() - t, 2)
-    info["first_cache_hits"] = len(cache_hits(first.stderr))
+    info["first_cache_hits"] = len(cache_hits(first.stderr_lines))
     info["rss_mib"]["first_ready"] = rss_mib(first.proc.pid)
     server = {"srv": first, "first": first}
     url = first.url
@@ -536,7 +536,7 @@ async def soak(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
             leaked = int(metric(url, "akv_kv_pool_used_pages"))
             info["rss_mib"]["restart_end"] = rss_mib(srv.proc.pid)
             # Programs from before the kill that the restarted server loaded, by the end.
-            info["restart_hits_by_end"] = len(cache_hits(srv.stderr) & info["_before_kill"])
+            info["restart_hits_by_end"] = len(cache_hits(srv.stderr_lines) & info["_before_kill"])
     finally:
         server["srv"].stop()
         first.stop()

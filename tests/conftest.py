@@ -9,7 +9,7 @@ import pytest
 def default_model_cache(tmp_path_factory):
     """A fresh AKV_JAX_CACHE holding the embedded default, converted GGUF -> orbax once per
     session (so the conversion path itself is under test), set for the whole session."""
-    from akv_jax.model.loading import default_model_dir
+    from converters.loading import default_model_dir
 
     root = tmp_path_factory.mktemp("akv_jax_cache")
     with pytest.MonkeyPatch.context() as mp:

@@ -18,6 +18,7 @@ import numpy as np
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import add_random_ops, parse_history
 from akv_jax.cache.timeline import timeline
+from akv_jax.serving.admission import pages_bound
 from akv_jax.serving.engine import Engine
 from akv_jax.serving.types import GenerateRequest, SamplingParams
 
@@ -133,16 +134,14 @@ def mismatches(refs: list[tuple], order: list[int], got: list[tuple]) -> list[st
     return bad
 
 
-def pool_that_forces_eviction(model, reqs: list[tuple], page_size: int, times: float,
+def pool_that_forces_eviction(reqs: list[tuple], page_size: int, times: float,
                               n_new: int | None = None) -> int:
     """``max_total_tokens`` for a pool that holds ``times`` the largest request (generating
     ``n_new`` tokens), so much of the state of a set is evicted and restored between its
     requests."""
-    probe = Engine(model, max_total_tokens=page_size, page_size=page_size,
-                   attention_backend="reference")
     need = max(
-        probe._pages_bound(timeline([len(x) for x in segs], parse_history(c, len(segs))),
-                           n_new or N_NEW, parse_history(c, len(segs)))
+        pages_bound(timeline([len(x) for x in segs], parse_history(c, len(segs))),
+                    n_new or N_NEW, parse_history(c, len(segs)), page_size)
         for segs, c in reqs
     )
     return page_size * int(need * times)
@@ -164,14 +163,14 @@ def exact_in_any_order(make_engine: Callable[..., Engine], model, reqs: list[tup
     big = make_engine(max_total_tokens=16384, page_size=page_size)
     phase(big, "serial", forward, False)
     phase(big, "concurrent", list(rng.permutation(n)), True)
-    assert big.flush_cache() and big.pool.used_pages == 0
+    assert big.flush_cache() and big.cache.pool.used_pages == 0
     phase(big, "after flush, reversed", backward, False)
     phase(big, "random order", list(rng.permutation(n)), False)
-    assert big.flush_cache() and big.pool.used_pages == 0, "pages leaked"
+    assert big.flush_cache() and big.cache.pool.used_pages == 0, "pages leaked"
 
     for times in POOL_TIMES:
         small = make_engine(
-            max_total_tokens=pool_that_forces_eviction(model, reqs, page_size, times),
+            max_total_tokens=pool_that_forces_eviction(reqs, page_size, times),
             page_size=page_size,
         )
         name = f"pool of {times}x the largest request"
@@ -183,5 +182,5 @@ def exact_in_any_order(make_engine: Callable[..., Engine], model, reqs: list[tup
         phase(small, f"{name}, one arrival a step", list(rng.permutation(REPEATS * n) % n), 1)
     assert not bad, "\n".join(bad)
     stats = small.stats()
-    assert small.flush_cache() and small.pool.used_pages == 0, "pages leaked"
+    assert small.flush_cache() and small.cache.pool.used_pages == 0, "pages leaked"
     return stats

@@ -1,6 +1,9 @@
 """Cost accounting with the paper's rates (Table 6), checked against hand-computed values."""
 
+import dataclasses
+
 import pytest
+from test_radix import insert
 
 from akv_jax.agent.cost import (
     RATES,
@@ -15,6 +18,9 @@ from akv_jax.agent.messages import Request
 from akv_jax.agent.offline import offline_usage, request_key
 from akv_jax.agent.policies import RollingDrop, Summarize
 from akv_jax.agent.trajectory import TrajectorySpec, make_trajectory
+from akv_jax.cache.ops import parse_history
+from akv_jax.serving.page_pool import PagePool
+from akv_jax.serving.radix import RadixTree, request_keys
 
 
 def test_rates_are_the_papers():
@@ -100,16 +106,19 @@ def test_invalid_usage_is_rejected():
         cost_usd(Usage(1, 0, 0), "GPT-5")
 
 
+SMALL = TrajectorySpec(system_tokens=16, task_range=(8, 8), output_range=(4, 4),
+                      tool_range=(30, 30), max_turns=8, min_turns=8, keep_tools=2,
+                      active_cap=1.0)
+
+
 def test_offline_prefix_cache_usage():
-    spec = TrajectorySpec(system_tokens=16, task_range=(8, 8), output_range=(4, 4),
-                          tool_range=(30, 30), max_turns=8, min_turns=8, keep_tools=2,
-                          active_cap=1.0)
-    traj = make_trajectory(0, 0, spec)
+    traj = make_trajectory(0, 0, SMALL)
     # every turn: 4 recorded output tokens + a 30-token tool response; 24 tokens to start
     akv = offline_usage(RollingDrop(keep_tools=2, repos_threshold=10**6), traj)
     assert [u.prompt_tokens for u in akv] == [24 + 34 * k for k in range(8)]
-    # turn k reuses all of turn k-1's prompt and output (same tokens, same ops before it)
-    assert [u.cached_tokens for u in akv] == [0] + [24 + 34 * (k - 1) + 4 for k in range(1, 8)]
+    # turn k reuses all of turn k-1's prompt (same tokens, same ops before it) and its output
+    # but the last token (sampled and never fed back, so the server holds no KV for it)
+    assert [u.cached_tokens for u in akv] == [0] + [24 + 34 * (k - 1) + 3 for k in range(1, 8)]
     assert all(u.completion_tokens == 4 and u.repos_tokens == 0 for u in akv)
     std = offline_usage(Summarize(150, keep_recent_tokens=40, reserve_tokens=40,
                                   summary_tokens=8, summary_prompt_tokens=8), traj)
@@ -118,13 +127,77 @@ def test_offline_prefix_cache_usage():
     # turns 68] shares only the system prompt with the cache; at turn 6 the same again, the
     # second summary request sharing its 4-token summariser prompt with the first
     assert std == [
-        Usage(24, 0, 4), Usage(58, 28, 4), Usage(92, 62, 4), Usage(126, 96, 4),
-        Usage(84, 0, 8), Usage(92, 16, 4), Usage(126, 96, 4),
-        Usage(84, 4, 8), Usage(92, 16, 4), Usage(126, 96, 4),
+        Usage(24, 0, 4), Usage(58, 27, 4), Usage(92, 61, 4), Usage(126, 95, 4),
+        Usage(84, 0, 8), Usage(92, 16, 4), Usage(126, 95, 4),
+        Usage(84, 4, 8), Usage(92, 16, 4), Usage(126, 95, 4),
     ]
 
 
-def test_request_key_places_ops_after_their_boundary():
+def test_request_key_is_the_servers():
     req = Request(((1, 2), (3,), (4, 5)), {"drop": {"2": [1]}, "reposition": [2]}, 4)
-    assert request_key(req) == [1, 2, 3, 4, 5, ("drop", (1,)), ("repos",)]
+    # ops follow their boundary, drops first; a drop names the absolute token ranges it drops
+    assert request_key(req) == [1, 2, 3, 4, 5, ("drop", ((2, 3),)), ("repos",)]
+    assert request_key(req) == request_keys(req.segments, parse_history(req.cache, 3))[0]
     assert request_key(Request(((1,), (2,)), None, 1)) == [1, 2]
+
+
+class MergedHead:
+    """A client that from turn ``from_turn`` on sends the system prompt and the task as one
+    segment (as a harness does that folds the task into its system message when it resumes a
+    session) and renumbers its ops to match: it drops the same messages, by indices one lower.
+    Records every request with the output it was told."""
+
+    def __init__(self, inner, from_turn: int):
+        self.inner, self.from_turn, self.turns = inner, from_turn, 0
+        self.name = "merged-head"
+        self.sent: list[tuple[Request, tuple[int, ...]]] = []
+
+    def next_request(self, history, max_new_tokens):
+        req = self.inner.next_request(history, max_new_tokens)
+        if self.turns >= self.from_turn:
+            ops = req.cache
+            req = dataclasses.replace(
+                req,
+                segments=(req.segments[0] + req.segments[1], *req.segments[2:]),
+                cache={"drop": {str(int(b) - 1): [i - 1 for i in v]
+                                for b, v in ops["drop"].items()},
+                       "reposition": [b - 1 for b in ops["reposition"]]},
+            )
+        self.turns += 1
+        return req
+
+    def observe(self, req, output_ids):
+        self.sent.append((req, tuple(output_ids)))
+        self.inner.observe(req, output_ids)
+
+
+def test_offline_sharing_is_the_server_radix_trees_when_segment_indices_change():
+    """A re-segmented request keeps the same tokens and drops the same token ranges, under
+    other segment indices: the same cache state (DESIGN.md §2), so the server shares it. The
+    offline model must count exactly what the server's radix tree shares."""
+    traj = make_trajectory(0, 0, SMALL)
+    client = MergedHead(RollingDrop(keep_tools=2, repos_threshold=150), from_turn=5)
+    usage = offline_usage(client, traj)
+    # The server's side: its radix keys in its radix tree (one-token pages: no page rounding),
+    # each answer's fed tokens stored after its prompt, as the engine does.
+    tree = RadixTree(PagePool(1 << 16), 1)
+    served = []
+    for req, out in client.sent:
+        keys = request_keys(req.segments, parse_history(req.cache, len(req.segments)))[0]
+        hit = sum(len(n.key) for n in tree.match(keys) if n.kind == "tokens")
+        served.append(min(hit, req.prompt_tokens - 1))
+        path = insert(tree, keys)
+        tree.add_child(path[-1], out[:-1], "tokens", req.prompt_tokens)
+    assert [u.cached_tokens for u in usage] == served
+    # every turn reuses the previous prompt and output, the re-segmented turn 5 included
+    assert served == [0] + [24 + 34 * (k - 1) + 3 for k in range(1, 8)]
+    assert sum(u.repos_tokens > 0 for u in usage) >= 1  # a repos is among the shared ops
+    # by segment index, turn 5 drops other segments than turn 4 did (an encoding by index
+    # would stop sharing at turn 4's first drop, after 24 + 34 x 3 = 126 tokens) ...
+    (turn4, _), (turn5, _) = client.sent[4], client.sent[5]
+    assert turn4.cache["drop"]["7"] == [3] and "7" not in turn5.cache["drop"]
+    assert turn5.cache["drop"]["6"] == [2]
+    # ... but the same token ranges, so the server's keys agree on all of turn 4's ops
+    ops4 = [k for k in request_key(turn4) if not isinstance(k, int)]
+    ops5 = [k for k in request_key(turn5) if not isinstance(k, int)]
+    assert ops4 and ops5[: len(ops4)] == ops4

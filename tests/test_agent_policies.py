@@ -94,6 +94,29 @@ def test_rolling_drop_repos_at_threshold_matches_the_timeline():
     assert all(b % 2 == 1 for b in repos)  # always at a turn's last boundary (a tool response)
 
 
+def test_rolling_drop_positions_worked_by_hand():
+    """The policy's positions are the timeline's (DESIGN.md §2); values worked out by hand.
+
+    agent_run: 14 tokens to start, turn k adds an assistant message of 5 and a tool response
+    of 10 + k tokens. keep_tools=2, repos at 120: turn 7 sends 14 + 7 x 15 + 21 = 140 tokens,
+    tools 10..14 (60) dropped, so a repos re-encodes 80; turn 9 reaches 80 + 22 + 23 = 125
+    with tools 15 and 16 dropped since: 94."""
+    _, requests = agent_run(RollingDrop(keep_tools=2, repos_threshold=120, max_positions=200),
+                            14)
+    assert [r.repos_tokens for r in requests] == [0] * 7 + [80, 0, 94, 0, 108, 115, 122]
+    # keep 12: nothing dropped; turn 6 holds 14 + 6 x 15 + 15 = 119 tokens, no gap to close,
+    # and 119 + 5 new tokens pass 120
+    with pytest.raises(ContextOverflow, match=r"^akv: context reaches position 124 \(active "
+                       r"119\), past the limit of 120$"):
+        agent_run(RollingDrop(keep_tools=12, repos_threshold=100, max_positions=120), 12)
+    # keep 0, repos at 50: from turn 3 on every turn repositions, to 14 + 5k active entries;
+    # turn 12 appends 5 + 21 tokens from position 69, so the context reaches 95 > 90 before
+    # its repos can help
+    with pytest.raises(ContextOverflow, match=r"^akv: context reaches position 95 \(active "
+                       r"74\), past the limit of 90$"):
+        agent_run(RollingDrop(keep_tools=0, repos_threshold=50, max_positions=90), 20)
+
+
 def test_rolling_drop_with_k0_drops_each_tool_at_its_own_boundary():
     histories, requests = agent_run(RollingDrop(keep_tools=0, repos_threshold=10**6,
                                                 max_positions=10**6), 5)

@@ -11,12 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from akv_jax.cache.core import CacheOps, attention_fn, restore, run_history
+from akv_jax.cache.core import CacheOps, restore, run_history
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history
 from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
-from akv_jax.model.rope import apply_rope, make_rope_table, rerotate
+from akv_jax.model.rope import make_rope_table
+from akv_jax.pallas.dispatch import make_attention_fn
+from akv_jax.pallas.rotary import apply_rope, rerotate
 
 CAPACITY = 192
 N_HISTORIES = 200
@@ -115,7 +117,7 @@ def test_whole_history_under_one_jit(model):
             history=h,
             cfg=cfg,
             rope=ops.rope,
-            attention=attention_fn(cfg, "reference", 16),
+            attention=make_attention_fn("reference", block_q=16, sm_scale=cfg.head_dim**-0.5),
             block_q=16,
         )
     )

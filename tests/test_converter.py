@@ -14,8 +14,8 @@ from golden import F32_ATOL, TINY, smollm2_meta, tiny_dir, tiny_golden, topk_dif
 
 from akv_jax.model import checkpoint
 from akv_jax.model.causal import greedy_generate
-from akv_jax.model.loading import default_model_dir, load_model
 from converters.hf_to_jax import main as convert_main
+from converters.loading import default_model_dir, load_model
 
 REPO = Path(__file__).resolve().parent.parent
 

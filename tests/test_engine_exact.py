@@ -14,7 +14,8 @@ from exactness import dense_greedy as dense_generate
 from exactness import pool_that_forces_eviction, run_requests
 
 from akv_jax.cache.dense_reference import DenseModel
-from akv_jax.cache.ops import CacheOpError, add_random_ops, parse_history
+from akv_jax.cache.ops import add_random_ops, parse_history
+from akv_jax.errors import InvalidField
 from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
 from akv_jax.serving.engine import Engine
@@ -64,7 +65,7 @@ def check(dm, reqs, results):
 
 def smallest_engine(m, reqs, **kw) -> Engine:
     """An engine (page size 8) whose pool holds just the largest of ``reqs``."""
-    tokens = pool_that_forces_eviction(m, reqs, 8, 1, N_NEW)
+    tokens = pool_that_forces_eviction(reqs, 8, 1, N_NEW)
     return Engine(m, max_total_tokens=tokens, page_size=8, attention_backend="reference", **kw)
 
 
@@ -79,15 +80,15 @@ def test_serial_concurrent_flush_and_tiny_pool(model):
     assert [r[0] for r in concurrent] == [r[0] for r in serial]
     check(dm, reqs, concurrent)
     assert eng.flush_cache()
-    assert eng.pool.used_pages == 0  # no page leaks
+    assert eng.cache.pool.used_pages == 0  # no page leaks
     check(dm, reqs, run(eng, reqs, concurrent=True))
     # A pool that holds just the largest request: most state is evicted and restored.
     small = smallest_engine(m, reqs)
     check(dm, reqs, run(small, reqs, concurrent=False))
-    assert small.tree.evictions > 0
-    assert small.tree.dead_evictions > 0  # dropped / superseded KV went first
+    assert small.cache.tree.evictions > 0
+    assert small.cache.tree.dead_evictions > 0  # dropped / superseded KV went first
     assert small.counters["restores"] > 0
-    assert small.flush_cache() and small.pool.used_pages == 0
+    assert small.flush_cache() and small.cache.pool.used_pages == 0
 
 
 def test_dead_kv_is_evicted_not_recomputed(model):
@@ -98,11 +99,11 @@ def test_dead_kv_is_evicted_not_recomputed(model):
     cache = {"drop": {"2": [1]}, "reposition": []}
     eng = Engine(m, max_total_tokens=1024, page_size=4, attention_backend="reference")
     check(dm, [(segs, cache)], run(eng, [(segs, cache)], concurrent=False))
-    dead = eng.tree.dead()
+    dead = eng.cache.tree.dead()
     assert dead  # segment 1's node: every stored path below drops it
-    assert {n.token_ids() for n in eng.tree.nodes() if n.id in dead} == {tuple(range(7, 16))}
-    freed = eng.tree.evict(len([n for n in eng.tree.nodes() if n.id in dead][0].pages))
-    assert freed == eng.tree.dead_evictions == 3  # nothing live went
+    assert {n.token_ids() for n in eng.cache.tree.nodes() if n.id in dead} == {tuple(range(7, 16))}
+    freed = eng.cache.tree.evict(len([n for n in eng.cache.tree.nodes() if n.id in dead][0].pages))
+    assert freed == eng.cache.tree.dead_evictions == 3  # nothing live went
     nxt = (segs + [[20, 21, 22, 23, 24]], cache)
     (result,) = run(eng, [nxt], concurrent=False)
     check(dm, [nxt], [result])
@@ -140,12 +141,12 @@ def test_engine_rejects_bad_requests(model):
         ([list(range(1, 300))], None, "input_ids"),  # more pages than the pool holds
     ]
     for segs, cache, field in bad:
-        with pytest.raises(CacheOpError) as e:
+        with pytest.raises(InvalidField) as e:
             eng.check(GenerateRequest("x", segs, parse_history(cache, len(segs))))
         assert e.value.field == field
     big = Engine(m, max_total_tokens=8192, page_size=8, attention_backend="reference")
     segs = [[1] * 2000, [2] * 2000, [3] * 100]
-    with pytest.raises(CacheOpError) as e:
+    with pytest.raises(InvalidField) as e:
         big.check(
             GenerateRequest("x", segs, parse_history(None, 3), SamplingParams(max_new_tokens=4))
         )
@@ -181,7 +182,7 @@ def test_chunked_prefill_matches_reference(model):
     small = smallest_engine(m, reqs, prefill_chunk=3)
     check(dm, reqs, run(small, reqs, concurrent=False))
     assert small.counters["restores"] > 0
-    assert small.flush_cache() and small.pool.used_pages == 0
+    assert small.flush_cache() and small.cache.pool.used_pages == 0
 
 
 def _add(eng, rid, segs, cache=None, n=N_NEW):
@@ -234,13 +235,13 @@ def test_abort_mid_prefill_leaves_no_half_written_kv(model):
     # A request sharing the prefix may not be planned on KV that is not written yet.
     _add(eng, "y", segs + [[90, 91]], cache)
     y = eng.waiting.popleft()
-    assert eng._plan(y) is None
+    assert eng.planner.plan(y, eng._step_id) is None
     eng.abort("x")
     assert not eng.has_work()
-    assert all(n.writer is None for n in eng.tree.nodes())
+    assert all(n.writer is None for n in eng.cache.tree.nodes())
     reqs = [(segs, cache), (segs + [[90, 91, 92]], cache)]
     check(dm, reqs, run(eng, reqs, concurrent=True))
-    assert eng.flush_cache() and eng.pool.used_pages == 0
+    assert eng.flush_cache() and eng.cache.pool.used_pages == 0
 
 
 def test_warm_up_shapes_covers_the_steps_and_leaves_no_trace(model):
@@ -253,7 +254,7 @@ def test_warm_up_shapes_covers_the_steps_and_leaves_no_trace(model):
                  prefill_chunk=128, max_running=8)
     # 4,096 positions = one view bucket (512 pages); prefill T 64 and 128; decode 8 rows
     assert eng.warm_up_shapes() == 3
-    assert eng.pool.used_pages == 0 and not list(eng.tree.root.children)
+    assert eng.cache.pool.used_pages == 0 and not list(eng.cache.tree.root.children)
     compiled = _forward_step._cache_size()
     reqs = [([list(range(1, 1 + n))], {"drop": {}, "reposition": []}) for n in (5, 70, 200)]
     check(dm, reqs, run(eng, reqs, concurrent=True))

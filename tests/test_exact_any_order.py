@@ -85,8 +85,8 @@ def test_a_request_after_its_extension_keeps_its_view_under_eviction(setup):
     run_requests(eng, reqs, [1], False, 8)
     got = run_requests(eng, reqs, [0], False, 8)
     assert mismatches(refs, [0], got) == []
-    assert eng.tree.evictions > 0  # the decode allocation did evict (a live node, not the
-    assert eng.flush_cache() and eng.pool.used_pages == 0  # base's segment 1)
+    assert eng.cache.tree.evictions > 0  # the decode allocation did evict (a live node, not the
+    assert eng.flush_cache() and eng.cache.pool.used_pages == 0  # base's segment 1)
 
 
 def test_a_prefix_stored_in_too_many_pages_fails_clearly(setup):
@@ -107,7 +107,7 @@ def test_a_prefix_stored_in_too_many_pages_fails_clearly(setup):
         events += eng.step()
     (ev,) = events
     assert ev.finish_reason == "error" and "raise --max-total-tokens" in ev.error
-    assert eng.flush_cache() and eng.pool.used_pages == 0
+    assert eng.flush_cache() and eng.cache.pool.used_pages == 0
     # On a fresh engine of the same size the same request is exact.
     fresh = Engine(model, max_total_tokens=16 * 4, page_size=16, attention_backend="reference")
     refs = dense_answers(DenseModel(model.params, model.cfg), [whole])

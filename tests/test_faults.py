@@ -21,14 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from server_support import ServerProcess, shared_server, sse_events
+from server_support import shared_server, sse_events
 
+from akv_jax.agent.launch import MODULE, LocalServer
 from akv_jax.cache.ops import parse_history
-from akv_jax.model.loading import load_model
 from akv_jax.serving.api import create_app
 from akv_jax.serving.async_engine import AsyncEngine
 from akv_jax.serving.engine import Engine
 from akv_jax.serving.types import GenerateRequest, SamplingParams
+from converters.loading import load_model
 
 N_NEW = 6
 BASE = list(range(1, 41))  # 40 tokens (5 pages of 8) that most requests share
@@ -108,9 +109,9 @@ def _assert_clean(eng: Engine) -> None:
     """No request holds anything: no locks, no half-written nodes, and every page in use
     belongs to a cached node (none leaked)."""
     assert not eng.has_work()
-    nodes = list(eng.tree.nodes())
+    nodes = list(eng.cache.tree.nodes())
     assert all(n.lock == 0 and n.ends == 0 and n.writer is None for n in nodes)
-    assert sum(len(n.pages) for n in nodes if n.pages) == eng.pool.used_pages
+    assert sum(len(n.pages) for n in nodes if n.pages) == eng.cache.pool.used_pages
 
 
 class _Poisoned:
@@ -126,7 +127,8 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
     leaving the most state behind to clean up."""
 
     def after(name: str, when=lambda r: True):
-        real = getattr(eng, name)
+        owner = eng if name.startswith("_") else eng.planner
+        real = getattr(owner, name)
 
         def wrapped(r, *args):
             out = real(r, *args)
@@ -134,11 +136,11 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
                 raise ValueError(f"{BOOM} in {name}")
             return out
 
-        setattr(eng, name, wrapped)
+        setattr(owner, name, wrapped)
 
-    if stage in ("_build_path", "_choose_compute", "_lay_out", "_take_slice"):
+    if stage in ("build_path", "choose_compute", "lay_out", "_take_slice"):
         after(stage)
-    elif stage == "_decode_pass":
+    elif stage == "decode_pass":
         after(stage, lambda r: len(r.generated) == 2)  # it holds a fresh generation page
     elif stage == "_sample":
         after(stage, lambda r: len(r.generated) == 3)  # mid-generation, not finishing
@@ -152,7 +154,7 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
 
         eng._finish = finish
     else:  # a forward: "prefill", "decode", or "decode-async" (fails when read)
-        real_run = eng._run
+        real_run = eng.executor.run
         kind = stage.split("-")[0]
 
         def run(group, work, block_q):
@@ -165,10 +167,10 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
                 raise RuntimeError(f"{BOOM}: {kind} forward")
             return real_run(group, work, block_q)
 
-        eng._run = run
+        eng.executor.run = run
 
 
-STAGES = ["_build_path", "_choose_compute", "_lay_out", "_take_slice", "_decode_pass",
+STAGES = ["build_path", "choose_compute", "lay_out", "_take_slice", "decode_pass",
           "_sample", "_finish", "prefill", "decode", "decode-async"]
 
 
@@ -192,20 +194,21 @@ def test_a_fault_fails_only_the_requests_it_touches(tiny, solo, stage):
             _assert_solo(evs, solo[rid], rid)
     assert eng.counters["requests_failed"] == len(failed)
     _assert_clean(eng)
-    if stage in ("_build_path", "_choose_compute", "_lay_out"):
+    if stage in ("build_path", "choose_compute", "lay_out"):
         # the victim's unplanned nodes are gone from the tree
-        held = {t for n in eng.tree.nodes() if n.kind == "tokens" for t in n.key}
+        held = {t for n in eng.cache.tree.nodes() if n.kind == "tokens" for t in n.key}
         assert not held & set(VICTIM_TOKENS)
     # What the fault left in the cache is exact: every request again (reusing it), now
     # without the fault, then a flush frees every page.
-    for name in ("_build_path", "_choose_compute", "_lay_out", "_take_slice", "_decode_pass",
-                 "_sample", "_finish", "_run"):
-        vars(eng).pop(name, None)  # the class's method again
+    for owner in (eng, eng.planner, eng.executor):
+        for name in ("build_path", "choose_compute", "lay_out", "_take_slice", "decode_pass",
+                     "_sample", "_finish", "run"):
+            vars(owner).pop(name, None)  # the class's method again
     again = _drive(eng, staged=False)
     for rid, evs in again.items():
         _assert_solo(evs, solo[rid], rid)
     assert eng.counters["cache_hit_tokens"] > 0
-    assert eng.flush_cache() and eng.pool.used_pages == 0
+    assert eng.flush_cache() and eng.cache.pool.used_pages == 0
 
 
 def test_reset_fails_everything_and_starts_from_an_empty_cache(tiny, solo):
@@ -214,11 +217,11 @@ def test_reset_fails_everything_and_starts_from_an_empty_cache(tiny, solo):
         eng.add_request(_request(rid))
     eng.step()
     eng.step()
-    assert eng.pool.used_pages > 0
+    assert eng.cache.pool.used_pages > 0
     events = eng.reset("engine error: boom")
     assert sorted(ev.rid for ev in events) == ["a", "b", "d"]
     assert all(ev.finish_reason == "error" and ev.error == "engine error: boom" for ev in events)
-    assert not eng.has_work() and eng.pool.used_pages == 0
+    assert not eng.has_work() and eng.cache.pool.used_pages == 0
     for rid, evs in _drive(eng, staged=False).items():
         _assert_solo(evs, solo[rid], rid)
 
@@ -243,14 +246,14 @@ def _gen_body(rid: str, stream: bool = False) -> dict:
 
 def test_app_fault_is_a_500_for_that_request_and_the_others_complete(app_engine, solo):
     client, eng = app_engine
-    real = eng._decode_pass
+    real = eng.planner.decode_pass
 
     def decode_pass(r):
         if r.req.segments[-1] == VICTIM_TOKENS and len(r.generated) == 2:
             raise ValueError(f"{BOOM}: bad row")
         return real(r)
 
-    eng._decode_pass = decode_pass
+    eng.planner.decode_pass = decode_pass
 
     def stream(rid: str) -> list:
         with client.stream("POST", "/generate", json=_gen_body(rid, True)) as r:
@@ -281,7 +284,7 @@ def test_app_fault_is_a_500_for_that_request_and_the_others_complete(app_engine,
     events = streams["b"]
     assert [t for e in events[:-1] for t in e["output_ids"]] == solo["b"][0]
     assert client.post("/flush_cache").json() == {"flushed": True}
-    assert eng.pool.used_pages == 0
+    assert eng.cache.pool.used_pages == 0
     metrics = client.get("/metrics").text
     assert "akv_engine_requests_failed 2.0" in metrics.splitlines()
 
@@ -305,7 +308,7 @@ def test_app_step_fault_fails_the_running_requests_and_the_server_keeps_serving(
     assert r.json()["error"]["message"] == (
         f"generation failed: engine error: RuntimeError: {BOOM}: scheduler bug"
     )
-    assert eng.pool.used_pages == 0 and not eng.has_work()
+    assert eng.cache.pool.used_pages == 0 and not eng.has_work()
     for rid in "ab":
         r = client.post("/generate", json=_gen_body(rid))
         assert r.status_code == 200 and r.json()["output_ids"] == solo[rid][0]
@@ -393,7 +396,10 @@ def test_a_stream_cut_off_mid_way_aborts_its_request_and_frees_its_pages(route):
         with c.stream("POST", route, json=body) as r:
             assert r.status_code == 200
             lines = []
-            for line in r.iter_lines():
+            # Hold the iterator: a `for` over a fresh r.iter_lines() that breaks lets the
+            # generator close, and httpx closes the connection at once (before "during").
+            stream = r.iter_lines()
+            for line in stream:
                 if line.startswith("data: "):
                     lines.append(line)
                 if len(lines) == 3:  # a few tokens in: the request runs and holds pages
@@ -446,32 +452,33 @@ PROG_ERROR = "python -m akv_jax.serving.main: error: "
 AFTER_FORWARD, BEFORE_FORWARD = 497, 498  # first prompt tokens that trip the leader's faults
 # The leader's launcher: faults on process 0 only, for requests starting with a magic token.
 # After the forward (_prefill_done) the followers can drop the request too; before it
-# (_decode_pass) the processes would run different forwards.
+# (Planner.decode_pass) the processes would run different forwards.
 LEADER_FAULTS = f"""
 import sys, jax
-from akv_jax.serving import engine as E
+from akv_jax.serving.engine import Engine
+from akv_jax.serving.planner import Planner
 
-def fault(name, magic):
-    real = getattr(E.Engine, name)
+def fault(cls, name, magic):
+    real = getattr(cls, name)
 
     def patched(self, r, *args):
         if r.req.segments[0][0] == magic and jax.process_index() == 0:
             raise RuntimeError("{BOOM} on the leader")
         return real(self, r, *args)
 
-    setattr(E.Engine, name, patched)
+    setattr(cls, name, patched)
 
-fault("_prefill_done", {AFTER_FORWARD})
-fault("_decode_pass", {BEFORE_FORWARD})
+fault(Engine, "_prefill_done", {AFTER_FORWARD})
+fault(Planner, "decode_pass", {BEFORE_FORWARD})
 from akv_jax.serving.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
 class _Pair:
-    """A leader (ServerProcess) and a follower process, joined by jax.distributed."""
+    """A leader (LocalServer) and a follower process, joined by jax.distributed."""
 
-    def __init__(self, leader_launcher: tuple[str, ...] = ("-m", "akv_jax.serving.main")):
+    def __init__(self, leader_launcher: tuple[str, ...] = MODULE):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             coord = f"127.0.0.1:{s.getsockname()[1]}"
@@ -486,8 +493,8 @@ class _Pair:
         self._drain = ThreadPoolExecutor(1)
         self._drain.submit(lambda: self.follower_err.extend(self.follower.stderr))
         try:
-            self.leader = ServerProcess([*MH_ARGS, *dist, "--process-id", "0"],
-                                        launcher=leader_launcher)
+            self.leader = LocalServer([*MH_ARGS, *dist, "--process-id", "0"],
+                                      launcher=leader_launcher)
         except BaseException:
             self.follower.kill()
             raise

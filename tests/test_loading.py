@@ -14,7 +14,7 @@ from golden import smollm2_meta, tiny_dir
 
 from akv_jax.model import checkpoint
 from akv_jax.model.config import tiny_config
-from akv_jax.model.loading import (
+from converters.loading import (
     DEFAULT_MODEL,
     ModelLoadError,
     cache_root,

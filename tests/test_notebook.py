@@ -1,4 +1,5 @@
-"""The research notebook runs top to bottom (its cells assert their own results)."""
+"""The research notebook runs top to bottom (its cells assert their own results); its last
+cell starts a tiny server (LocalServer) and measures prefill work from its answers."""
 
 from pathlib import Path
 
@@ -16,3 +17,4 @@ def test_cache_engineering_notebook_executes():
     )
     assert "F saw: A0 C1 E2 F3" in outputs
     assert "max |logit diff|" in outputs
+    assert "the prefill work; summed TTFT" in outputs  # the server measured the work

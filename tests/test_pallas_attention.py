@@ -13,12 +13,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pallas_cases as cases
 import pytest
 
 from akv_jax.model.causal import greedy_generate
 from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
-from akv_jax.pallas import cases
 from akv_jax.pallas import plan as plan_lib
 from akv_jax.pallas.dispatch import make_attention_fn, resolve_backend
 from akv_jax.pallas.metadata import SegmentSpec, build_segment_batch

@@ -13,13 +13,14 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pallas_aot as aot
+import pallas_cases as cases
 import pytest
 
 from akv_jax.model.config import RopeConfig, tiny_config
 from akv_jax.model.forward import KVPool, KVWrites, forward
 from akv_jax.model.params import init_params
 from akv_jax.model.rope import make_rope_table, rope_table_for
-from akv_jax.pallas import aot, cases
 from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.repos import repos_pallas
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu

@@ -1,5 +1,6 @@
 """Repos kernel (GPU and TPU bodies, interpret mode on the CPU) against ``repos_reference`` and
-against RoPE itself, at positions up to 32k."""
+against RoPE itself, at positions up to 32k; and the server's re-rotated copies
+(``DeviceGroup.rerotate_copy``, which runs the kernel) against the jnp rotation."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from akv_jax.model.config import RopeConfig
-from akv_jax.model.rope import apply_rope, make_rope_table
+from akv_jax.model.config import RopeConfig, tiny_config
+from akv_jax.model.forward import KVPool
+from akv_jax.model.params import seeded_params
+from akv_jax.model.rope import make_rope_table, rope_table_for
 from akv_jax.pallas.dispatch import make_repos_fn
 from akv_jax.pallas.reference import repos_reference
 from akv_jax.pallas.repos import repos_pallas
+from akv_jax.pallas.rotary import apply_rope, rerotate
+from akv_jax.serving.device_group import DeviceGroup
 
 MAX_POS = 32768
 
@@ -128,3 +133,38 @@ def test_repos_donated_pool_keeps_unlisted_pages():
 def test_make_repos_fn_auto_is_reference_on_cpu():
     assert make_repos_fn("auto") is repos_reference
     assert make_repos_fn("reference") is repos_reference
+
+
+@pytest.mark.parametrize("backend", ["pallas", "reference", "auto"])
+def test_server_rerotated_copies_equal_the_jnp_rotation(backend):
+    """The engine's pre-pass copies: key re-rotated old -> new into another slot (across pages,
+    every layer), value copied; no other slot changes a bit. "pallas" on the CPU runs the GPU
+    body in interpret mode, "auto" the reference (as for attention)."""
+    cfg = tiny_config()
+    P, ps = 6, 4
+    group = DeviceGroup(cfg, seeded_params(cfg, 0), P, ps, jnp.float32, attention_backend=backend)
+    assert (group._repos is repos_reference) == (backend != "pallas")  # the kernel runs
+    rng = np.random.default_rng(3)
+    shape = group.kv.k.shape  # [L, P, ps, Hkv, Dh]
+    group.kv = KVPool(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                      v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    k0, v0 = np.asarray(group.kv.k).copy(), np.asarray(group.kv.v).copy()
+    rope = rope_table_for(cfg)
+    # 11 copies (padded to 16 inside): sources and destinations on different pages, some
+    # destinations in the middle of a page, positions up to the model's limit.
+    src = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    dst = [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+    old = rng.integers(0, cfg.max_position_embeddings, len(src)).tolist()
+    new = rng.integers(0, cfg.max_position_embeddings, len(src)).tolist()
+    group.rerotate_copy(list(zip(src, dst, old, new, strict=True)), rope)
+    k, v = np.asarray(group.kv.k), np.asarray(group.kv.v)
+    L, _, _, H, D = shape
+    flat = lambda x: x.reshape(L, P * ps, H, D)  # noqa: E731
+    for layer in range(L):
+        want = rerotate(jnp.asarray(flat(k0)[layer, src]), jnp.asarray(old), jnp.asarray(new),
+                        rope)
+        np.testing.assert_allclose(flat(k)[layer, dst], np.asarray(want), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(flat(v)[:, dst], flat(v0)[:, src])
+    rest = [i for i in range(P * ps) if i not in dst]
+    np.testing.assert_array_equal(_bits(flat(k)[:, rest]), _bits(flat(k0)[:, rest]))
+    np.testing.assert_array_equal(_bits(flat(v)[:, rest]), _bits(flat(v0)[:, rest]))

@@ -386,13 +386,13 @@ def _drive_together(engine, batches):
 
 def test_engine_check_names_bad_sampling_fields(engine):
     """Callers of the engine itself (not through the API's parser) get the same 400 fields."""
-    from akv_jax.cache.ops import CacheOpError
+    from akv_jax.errors import InvalidField
 
     for kw, field in [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
                       ({"top_k": -1}, "top_k"), ({"seed": "7"}, "seed"), ({"seed": 1.0}, "seed")]:
         req = request("bad", [[1, 2]], 2)
         req.sampling = dataclasses.replace(req.sampling, **kw)
-        with pytest.raises(CacheOpError) as e:
+        with pytest.raises(InvalidField) as e:
             engine.check(req)
         assert e.value.field == f"sampling_params.{field}"
     engine.check(request("ok", [[1, 2]], 2, seed=-5, temperature=0.0, top_p=1e-9, top_k=10**9))

@@ -134,8 +134,8 @@ def invalid_cases() -> list[tuple[object, str, str]]:
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": 40000}},
          "sampling_params.max_new_tokens", "40000 exceeds the limit 32768"),
         ({"input_ids": [1], "sampling_params": {"temperature": [1]}},
-         "sampling_params.temperature", "expected a number"),
-        ({"input_ids": [1], "return_logprob": 1}, "return_logprob", "expected true or false"),
+         "sampling_params.temperature", "valid number, got [1]"),
+        ({"input_ids": [1], "return_logprob": 1}, "return_logprob", "valid boolean, got 1"),
         ({"input_ids": [[1]] * 4097}, "input_ids", "4097 segments exceed the limit of 4096"),
         ({"input_ids": [0] * ((1 << 20) + 1)}, "input_ids", "1048577 prompt tokens exceed"),
         # 2000 + 2000 + 200 tokens: the last segment would sit at positions 4000..4199 > 4096

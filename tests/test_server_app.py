@@ -279,6 +279,9 @@ def test_api_key():
     app = create_app(ScriptedAsyncEngine(), "scripted", TOK, api_key="s3cret", vocab_size=512)
     with TestClient(app) as client:
         assert client.get("/health").json() == {"status": "ok"}
+        # the API's description is public too (it holds no data)
+        assert client.get("/openapi.json").status_code == 200
+        assert client.get("/docs").status_code == 200
         for method, path in [("GET", "/v1/models"), ("GET", "/metrics"),
                              ("POST", "/generate"), ("POST", "/flush_cache"),
                              ("POST", "/v1/chat/completions"), ("GET", "/nope")]:
@@ -316,3 +319,40 @@ def test_oversized_body_is_413():
         ok = json.dumps({"input_ids": [1, 9]}).encode()
         assert len(ok) <= 100
         assert client.post("/generate", content=ok).status_code == 200
+
+
+def test_openapi_document_lists_the_request_bodies(app_client):
+    client, _ = app_client
+    r = client.get("/docs")
+    assert r.status_code == 200 and "swagger-ui" in r.text and "/openapi.json" in r.text
+    doc = client.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    components = doc["components"]["schemas"]
+    for path, model in [("/generate", "GenerateBody"), ("/v1/chat/completions", "ChatBody")]:
+        body = doc["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True
+        assert body["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{model}"}
+    gen = components["GenerateBody"]
+    assert gen["required"] == ["input_ids"]
+    assert {"input_ids", "cache", "sampling_params", "return_logprob", "stream"} == set(
+        gen["properties"])
+    # bounds are JSON-schema keywords (not pydantic's own names)
+    assert {"minimum": 1, "type": "integer"} in (
+        components["SamplingBody"]["properties"]["max_new_tokens"]["anyOf"])
+    assert {"messages", "cache", "max_tokens", "stop", "top_k"} <= set(
+        components["ChatBody"]["properties"])
+    assert "role" in components["Message"]["properties"]
+
+    def refs(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from [v] if k == "$ref" else refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from refs(v)
+
+    found = set(refs(doc))
+    assert "#/components/schemas/Message" in found
+    for ref in found:  # every reference resolves within the document
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in components

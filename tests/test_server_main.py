@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_support import TINY_ARGS, ServerProcess
+from server_support import TINY_ARGS
+
+from akv_jax.agent.launch import LocalServer
 
 PROG = "python -m akv_jax.serving.main"
 
@@ -84,7 +86,7 @@ def test_port_in_use():
 
 
 def test_api_key_server():
-    srv = ServerProcess([*TINY_ARGS, "--api-key", "sk-test", "--skip-warmup"])
+    srv = LocalServer([*TINY_ARGS, "--api-key", "sk-test", "--skip-warmup"])
     try:
         assert srv.ready_line == f"akv_jax serving tiny on {srv.url}"
         assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
@@ -116,7 +118,7 @@ def test_warmup_shapes_and_chunked_prefill_server():
     outs = []
     for extra in (["--warmup-shapes", "--prefill-chunk", "128", "--max-running-requests", "8",
                    "--log-level", "info"], []):
-        srv = ServerProcess([*TINY_ARGS, *extra])
+        srv = LocalServer([*TINY_ARGS, *extra])
         try:
             r = httpx.post(srv.url + "/generate", json=body, timeout=120)
             assert r.status_code == 200, r.text
@@ -159,8 +161,8 @@ def test_default_model_with_no_flags_but_port_0(default_model_cache):
 
 
 def test_context_length_override():
-    from akv_jax.model.loading import load_model
     from akv_jax.serving.main import StartupError, with_context_length
+    from converters.loading import load_model
 
     tiny = load_model("tiny")
     assert with_context_length(tiny, 32768, True).cfg.max_position_embeddings == 32768

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from akv_jax.cache.ops import CacheOpError, OpHistory
-from akv_jax.serving import protocol
+from akv_jax.cache.timeline import timeline
+from akv_jax.errors import InvalidField
+from akv_jax.serving import protocol, schemas
 from akv_jax.serving.protocol import Limits
 from akv_jax.serving.types import SamplingParams
 
@@ -20,8 +22,8 @@ def gen(body: dict) -> protocol.GenerateInput:
     return protocol.parse_generate(body, LIMITS, VOCAB)
 
 
-def rejected(fn, body: dict) -> CacheOpError:
-    with pytest.raises(CacheOpError) as info:
+def rejected(fn, body: dict) -> InvalidField:
+    with pytest.raises(InvalidField) as info:
         fn(body, LIMITS, VOCAB)
     return info.value
 
@@ -82,32 +84,33 @@ def test_generate_full_request():
          "boundary 2 out of range [0, 2)"),
         ({"input_ids": [[1], [2]], "cache": {"reposition": 1}}, "cache.reposition",
          "expected a list"),
-        ({"input_ids": [1], "sampling_params": [1]}, "sampling_params", "expected an object"),
+        ({"input_ids": [1], "sampling_params": [1]}, "sampling_params",
+         "should be an object, got [1]"),
         ({"input_ids": [1], "sampling_params": {"max_tokens": 3}},
          "sampling_params.max_tokens", "unknown field"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": 65}},
          "sampling_params.max_new_tokens", "65 exceeds the limit 64"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}},
-         "sampling_params.max_new_tokens", "below the minimum 1"),
+         "sampling_params.max_new_tokens", "greater than or equal to 1, got 0"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": True}},
-         "sampling_params.max_new_tokens", "expected an integer, got a boolean"),
+         "sampling_params.max_new_tokens", "valid integer, got true"),
         ({"input_ids": [1], "sampling_params": {"temperature": "hot"}},
-         "sampling_params.temperature", "expected a number, got a string"),
+         "sampling_params.temperature", "valid number, got 'hot'"),
         ({"input_ids": [1], "sampling_params": {"temperature": -0.1}},
-         "sampling_params.temperature", "outside [0.0, 100.0]"),
+         "sampling_params.temperature", "-0.1 is not a finite number >= 0"),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p",
-         "outside (0.0, 1.0]"),
+         "0.0 is outside (0, 1]"),
         ({"input_ids": [1], "sampling_params": {"top_k": -2}}, "sampling_params.top_k",
-         "below the minimum -1"),
+         "greater than or equal to -1, got -2"),
         ({"input_ids": [1], "sampling_params": {"seed": 2**64}}, "sampling_params.seed",
-         "exceeds the limit"),
+         "less than or equal to 9223372036854775807"),
         ({"input_ids": [1], "sampling_params": {"stop_token_ids": [3, 600]}},
          "sampling_params.stop_token_ids[1]", "token id 600 outside the vocabulary"),
         ({"input_ids": [1], "sampling_params": {"stop_token_ids": [1, 2, 3]}},
-         "sampling_params.stop_token_ids", "3 entries exceed the limit 2"),
+         "sampling_params.stop_token_ids", "3 entries exceed the limit of 2"),
         ({"input_ids": [1], "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos",
-         "expected true or false"),
-        ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob", "expected true or false"),
+         "valid boolean, got 1"),
+        ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob", "valid boolean, got 'yes'"),
         ({"input_ids": [1], "stream": None, "text": "hi"}, "text", "unknown field"),
     ],
 )
@@ -116,6 +119,12 @@ def test_generate_rejections(body, field, words):
     assert err.field == field
     assert words in err.message
     assert str(err).startswith(f"{field}: ")
+    # Op-history and segment errors are CacheOpError; sampling, limits and the body's shape
+    # are invalid requests of other kinds.
+    if field.startswith("cache"):
+        assert isinstance(err, CacheOpError)
+    elif not field.startswith("input_ids"):
+        assert not isinstance(err, CacheOpError)
 
 
 def test_json_body():
@@ -128,10 +137,12 @@ def test_json_body():
         (b'"x"', "expected a JSON object, got a string"),
         (b" " * 10_001, "exceeds the limit of 10000 bytes"),
     ]:
-        with pytest.raises(CacheOpError) as info:
+        with pytest.raises(InvalidField) as info:
             protocol.parse_json_body(raw, LIMITS)
         assert info.value.field == "body"
         assert words in info.value.message
+        assert not isinstance(info.value, CacheOpError)
+        assert isinstance(info.value, protocol.BodyTooLarge) == (len(raw) > 10_000)
 
 
 def chat_body(**kw) -> dict:
@@ -169,40 +180,43 @@ def test_chat_parse():
     "body, field, words",
     [
         ({"model": "m"}, "messages", "required"),
-        (chat_body(messages=[]), "messages", "at least one message"),
+        (chat_body(messages=[]), "messages", "at least 1 required, got 0"),
         (chat_body(messages=[{"role": "user", "content": "x"}] * 9), "messages",
          "9 messages exceed the limit of 8"),
-        (chat_body(messages=["hi"]), "messages[0]", "expected an object"),
+        (chat_body(messages=["hi"]), "messages[0]", "should be an object, got 'hi'"),
         (chat_body(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", "robot"),
         (chat_body(messages=[{"role": "user", "content": 3}]), "messages[0].content",
-         "expected a string, got a number"),
+         "expected a string or a list of content parts, got 3"),
         (chat_body(messages=[{"role": "user"}]), "messages[0].content", "required"),
         (chat_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
          "messages[0].content[0]", "only {'type': 'text'}"),
-        (chat_body(model=3), "model", "expected a string"),
+        (chat_body(model=3), "model", "valid string, got 3"),
         (chat_body(n=2), "n", "only n=1"),
-        (chat_body(max_tokens=0), "max_tokens", "below the minimum 1"),
+        (chat_body(max_tokens=0), "max_tokens", "greater than or equal to 1, got 0"),
         (chat_body(max_tokens=65), "max_tokens", "exceeds the limit 64"),
-        (chat_body(max_completion_tokens="5"), "max_completion_tokens", "expected an integer"),
-        (chat_body(stop=["a", ""]), "stop[1]", "non-empty string"),
-        (chat_body(stop=["a", "b", "c"]), "stop", "3 entries exceed the limit 2"),
-        (chat_body(stop=5), "stop", "expected a list"),
-        (chat_body(stream="yes"), "stream", "expected true or false"),
+        (chat_body(max_completion_tokens="5"), "max_completion_tokens",
+         "valid integer, got '5'"),
+        (chat_body(stop=["a", ""]), "stop[1]", "at least 1 character, got ''"),
+        (chat_body(stop=["a", "b", "c"]), "stop", "3 entries exceed the limit of 2"),
+        (chat_body(stop=5), "stop", "valid list, got 5"),
+        (chat_body(stream="yes"), "stream", "valid boolean, got 'yes'"),
         (chat_body(stream_options={"include_usage": 1}), "stream_options.include_usage",
-         "expected true or false"),
-        (chat_body(temperature=101), "temperature", "outside [0.0, 100.0]"),
+         "valid boolean, got 1"),
+        (chat_body(temperature=101), "temperature", "less than or equal to 100, got 101"),
+        (chat_body(temperature=-1), "temperature", "-1.0 is not a finite number >= 0"),
         (chat_body(top_logprobs=3), "top_logprobs", "only top_logprobs=0"),
         (chat_body(presence_penalty=0.5), "presence_penalty", "not supported"),
         (chat_body(logit_bias={"1": 5}), "logit_bias", "not supported"),
         (chat_body(response_format={"type": "json_object"}), "response_format",
          "only {'type': 'text'}"),
-        (chat_body(tools=["x"]), "tools[0]", "expected an object"),
+        (chat_body(tools=["x"]), "tools[0]", "should be an object, got 'x'"),
     ],
 )
 def test_chat_rejections(body, field, words):
     err = rejected(protocol.parse_chat, body)
     assert err.field == field
     assert words in err.message
+    assert not isinstance(err, CacheOpError)  # the cache is checked once segments are known
 
 
 def test_chat_history_indices_are_message_indices():
@@ -213,14 +227,15 @@ def test_chat_history_indices_are_message_indices():
     assert "boundary 2 out of range [0, 2)" in info.value.message
 
 
-def test_final_position():
+def test_generation_starts_at_the_timelines_next_pos():
+    # What the chat route's default max_tokens is clipped by (``max_position - next_pos``).
     lens = [3, 4, 2, 5]
-    assert protocol.final_position(lens, OpHistory.empty(4)) == 14
+    assert timeline(lens, OpHistory.empty(4)).next_pos == 14
     # drop alone does not compact (DESIGN §2 Figure 10)
-    assert protocol.final_position(lens, OpHistory(4, {2: (1,)}, ())) == 14
+    assert timeline(lens, OpHistory(4, {2: (1,)}, ())).next_pos == 14
     # drop 1 then repos at 2: 3 + 2 active, then segment 3 appended
-    assert protocol.final_position(lens, OpHistory(4, {2: (1,)}, (2,))) == 5 + 5
-    assert protocol.final_position(lens, OpHistory(4, {3: (0, 3)}, (3,))) == 4 + 2
+    assert timeline(lens, OpHistory(4, {2: (1,)}, (2,))).next_pos == 5 + 5
+    assert timeline(lens, OpHistory(4, {3: (0, 3)}, (3,))).next_pos == 4 + 2
 
 
 def test_errors_are_json_serialisable():
@@ -229,3 +244,73 @@ def test_errors_are_json_serialisable():
     assert json.loads(json.dumps({"message": str(err), "param": err.field}))["param"] == (
         'cache.drop["1"][0]'
     )
+
+
+@pytest.mark.parametrize(
+    "loc, field",
+    [
+        (("input_ids", 2, 5), "input_ids[2][5]"),
+        (("messages", 3, "content"), "messages[3].content"),
+        (("messages", 0, "content", 1, "text"), "messages[0].content[1].text"),
+        (("sampling_params", "top_p"), "sampling_params.top_p"),
+        (("cache", "drop", "5", 1), 'cache.drop["5"][1]'),
+        (("stop", 0), "stop[0]"),
+        ((), ""),
+    ],
+)
+def test_pydantic_locations_in_api_notation(loc, field):
+    assert schemas.field_path(loc) == field
+
+
+def test_schema_errors_name_the_first_problem_and_its_value():
+    # Several problems: the first one in field order is reported, with the value at fault
+    # (a long one abbreviated).
+    err = rejected(protocol.parse_chat, chat_body(
+        messages=[{"role": "user", "content": "x"}, {"role": "user", "content": 3}],
+        model=7, stream=[1] * 1000))
+    assert err.field == "messages[1].content"
+    err = rejected(protocol.parse_chat, chat_body(model=7, stream=[1] * 1000))
+    assert err.field == "model" and err.message == "Input should be a valid string, got 7"
+    err = rejected(protocol.parse_generate, {"input_ids": [1], "stream": ["y" * 500] * 100})
+    assert err.field == "stream"
+    assert err.message.startswith("Input should be a valid boolean, got ['yyy")
+    assert len(err.message) < 200
+    # a body that is not an object names the body
+    with pytest.raises(InvalidField) as info:
+        protocol.parse_generate([1, 2], LIMITS, VOCAB)
+    assert info.value.field == "body"
+
+
+def test_chat_messages_keep_their_keys_for_the_template():
+    msg = {"role": "tool", "content": [{"type": "text", "text": "42", "extra": 1}],
+           "tool_call_id": "c1", "name": None, "custom": {"k": [1]}}
+    inp = protocol.parse_chat(chat_body(messages=[msg]), LIMITS, VOCAB)
+    assert inp.messages == [{"role": "tool", "content": "42", "tool_call_id": "c1",
+                             "name": None, "custom": {"k": [1]}}]
+    assert "tool_calls" not in inp.messages[0]  # no keys the client did not send
+
+
+def test_sampling_fields_become_the_engines_params():
+    # -1 is top-k off, as 0; integral floats are integers; the ranges are the sampler's
+    inp = gen({"input_ids": [1], "sampling_params": {"top_k": -1, "seed": 3.0}})
+    assert inp.sampling == SamplingParams(max_new_tokens=16, top_k=0, seed=3)
+    inp = protocol.parse_chat(chat_body(top_k=5, stop_token_ids=[7], ignore_eos=True,
+                                        max_tokens=9), LIMITS, VOCAB)
+    assert inp.sampling == SamplingParams(max_new_tokens=9, top_k=5, stop_token_ids=(7,),
+                                          ignore_eos=True)
+    for body, field in [({"top_p": 1.5}, "sampling_params.top_p"),
+                        ({"temperature": -0.5}, "sampling_params.temperature")]:
+        err = rejected(protocol.parse_generate, {"input_ids": [1], "sampling_params": body})
+        assert err.field == field and not isinstance(err, CacheOpError)
+
+
+def test_openapi_schema_of_the_bodies():
+    gen_schema = schemas.GenerateBody.model_json_schema()
+    assert gen_schema["required"] == ["input_ids"]
+    assert gen_schema["additionalProperties"] is False
+    assert set(gen_schema["properties"]) == {"input_ids", "cache", "sampling_params",
+                                             "return_logprob", "stream"}
+    chat_schema = schemas.ChatBody.model_json_schema()
+    assert "messages" in chat_schema["required"]
+    content = chat_schema["$defs"]["Message"]["properties"]["content"]
+    assert {"type": "string"} in content["anyOf"]  # a string or a list of text parts

@@ -18,6 +18,7 @@ from akv_jax.cache.ops import parse_history
 from akv_jax.cache.timeline import timeline
 from akv_jax.model.config import ModelConfig, RopeConfig
 from akv_jax.model.params import seeded_params
+from akv_jax.serving.admission import pages_bound
 from akv_jax.serving.engine import Engine
 
 pytestmark = pytest.mark.multidevice
@@ -51,7 +52,7 @@ def test_tp_degrees_agree():
             model, max_total_tokens=2048, page_size=8, attention_backend="reference", tp=tp
         )
         if tp > 1:
-            spec = eng.prefill.kv.k.sharding.spec
+            spec = eng.executor.prefill.kv.k.sharding.spec
             assert spec[3] == "tensor", spec  # the KV pool really is split over kv heads
         results[tp] = run(eng, reqs, concurrent=True)
     dm = DenseModel(model.params, CFG)
@@ -72,10 +73,11 @@ def test_disaggregated_matches_colocated():
     colo = Engine(model, max_total_tokens=2048, page_size=8, attention_backend="reference")
     want = run(colo, reqs, concurrent=True)
     need = max(
-        colo._pages_bound(
+        pages_bound(
             timeline([len(x) for x in segs], parse_history(c, len(segs))),
             4,
             parse_history(c, len(segs)),
+            8,
         )
         for segs, c in reqs
     )
@@ -88,13 +90,13 @@ def test_disaggregated_matches_colocated():
             attention_backend="reference",
             disaggregate=(4, 4),
         )
-        assert dis.prefill is not dis.decode
-        prefill_devs = {d.id for d in dis.prefill.kv.k.devices()}
-        decode_devs = {d.id for d in dis.decode.kv.k.devices()}
+        assert dis.executor.prefill is not dis.executor.decode
+        prefill_devs = {d.id for d in dis.executor.prefill.kv.k.devices()}
+        decode_devs = {d.id for d in dis.executor.decode.kv.k.devices()}
         assert prefill_devs == {0, 1, 2, 3} and decode_devs == {4, 5, 6, 7}
         got = run(dis, reqs, concurrent=tokens != small)
         if tokens == small:
-            assert dis.tree.evictions > 0 and dis.counters["restores"] > 0
+            assert dis.cache.tree.evictions > 0 and dis.counters["restores"] > 0
         assert [g[0] for g in got] == [w[0] for w in want]
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a[1], b[1], atol=1e-4)

@@ -23,8 +23,8 @@ import pytest  # noqa: E402
 from golden import TINY, tiny_dir, tiny_golden  # noqa: E402
 
 from akv_jax.model.causal import greedy_generate  # noqa: E402
-from akv_jax.model.loading import load_model  # noqa: E402
 from akv_jax.model.params import make_mesh, param_shardings, shard_params  # noqa: E402
+from converters.loading import load_model  # noqa: E402
 
 pytestmark = pytest.mark.multidevice
 

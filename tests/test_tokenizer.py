@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from golden import smollm2_meta
 
-from akv_jax.model.loading import default_gguf_path, default_model_dir
 from akv_jax.model.tokenizer import ChatTokenizer
+from converters.loading import default_gguf_path, default_model_dir
 
 CHATS = smollm2_meta()["chats"]
 

@@ -1,9 +1,11 @@
-"""Start a local ``akv_jax.serving.main`` subprocess for benchmarks (127.0.0.1 only).
+"""Start a local ``python -m akv_jax.serving.main`` subprocess (127.0.0.1 only).
 
-The server picks a free port (``--port 0``) and prints ``akv_jax serving NAME on URL`` when it
-accepts connections; :class:`LocalServer` waits for that line. The server keeps its compiled
-step programs in its persistent compilation cache (``--compile-cache-dir``, default
-``~/.cache/akv_jax/xla``), so repeated runs do not pay for XLA compiles again.
+The one way this project starts a server from Python: benchmarks, the test suite and notebook
+users all use :class:`LocalServer`. The server binds a free port (``--port 0``) and prints
+``akv_jax serving NAME on URL`` once it accepts connections; :class:`LocalServer` waits for
+that line, so there is no race for a port. The server keeps its compiled step programs in its
+persistent compilation cache (``--compile-cache-dir``, default ``~/.cache/akv_jax/xla``), so
+repeated runs do not pay for XLA compiles again.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 
 READY_PREFIX = "akv_jax serving "
+MODULE = ("-m", "akv_jax.serving.main")
 COUNTERS = (
     "akv_cache_query_tokens_total",
     "akv_cache_hit_tokens_total",
@@ -32,43 +35,74 @@ COUNTERS = (
 
 
 class LocalServer:
-    """``with LocalServer([...flags]) as srv: srv.url`` (stops with SIGINT on exit)."""
+    """``with LocalServer(["--model-path", "tiny"]) as srv: httpx.get(srv.url + "/health")``.
 
-    def __init__(self, args: Sequence[str], timeout_s: float = 300.0, env: dict | None = None):
-        cmd = [sys.executable, "-m", "akv_jax.serving.main", "--host", "127.0.0.1",
-               "--port", "0", "--log-level", "warning", *args]
-        self.cmd = cmd
+    Runs ``python -m akv_jax.serving.main --host 127.0.0.1 --port 0 --log-level warning
+    *args`` (a flag given again in ``args`` wins: ``["--port", "8000"]`` picks the port,
+    ``["--log-level", "info"]`` a louder log) with ``env`` added to this process's
+    environment, and returns once the server is ready (``url``, ``ready_line``). Its stderr
+    is collected line by line in ``stderr_lines`` (and any other stdout in ``stdout_lines``)
+    while it runs, so a chatty server never blocks on a full pipe; ``proc`` is the
+    :class:`subprocess.Popen`. :meth:`stop` (also on leaving the ``with`` block) sends SIGINT,
+    a clean shutdown, and kills the process only if it has not exited 30 s later.
+
+    ``launcher`` is what follows the interpreter on the command line: ``("-c", code)`` runs
+    ``code`` instead of the module (say, to patch the engine and then call
+    ``akv_jax.serving.main.main(sys.argv[1:])``). Raises :class:`RuntimeError`, with the end
+    of the server's stderr, if it is not ready within ``timeout_s`` or exits first.
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        timeout_s: float = 300.0,
+        env: Mapping[str, str] | None = None,
+        *,
+        launcher: Sequence[str] = MODULE,
+    ):
+        self.cmd = [sys.executable, *launcher, "--host", "127.0.0.1", "--port", "0",
+                    "--log-level", "warning", *args]
+        self.stdout_lines: list[str] = []
+        self.stderr_lines: list[str] = []
+        self.ready_line: str | None = None
+        self._ready = threading.Event()
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})},
         )
-        self.stderr: list[str] = []
-        # Drain stderr so a chatty server never blocks on a full pipe.
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.url = self._wait_ready(timeout_s)
+        self._readers = [threading.Thread(target=self._read_stdout, daemon=True),
+                         threading.Thread(target=self._read_stderr, daemon=True)]
+        for t in self._readers:
+            t.start()
+        self._ready.wait(timeout_s)
+        if self.ready_line is None:
+            exited = self.proc.poll() is not None
+            rc = self.stop()
+            why = f"exited (rc={rc})" if exited else f"was not ready within {timeout_s:g} s"
+            raise RuntimeError(
+                f"server {why}: {' '.join(self.cmd)}\n" + "".join(self.stderr_lines[-40:])
+            )
+        self.url = self.ready_line.rsplit(" ", 1)[-1]
 
-    def _drain(self) -> None:
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            if self.ready_line is None and line.startswith(READY_PREFIX):
+                self.ready_line = line.strip()
+                self._ready.set()
+            else:
+                self.stdout_lines.append(line)
+        self._ready.set()  # end of output: the process is gone, ready or not
+
+    def _read_stderr(self) -> None:
         for line in self.proc.stderr:
-            self.stderr.append(line)
+            self.stderr_lines.append(line)
 
-    def _wait_ready(self, timeout_s: float) -> str:
-        found: list[str] = []
+    def client(self, timeout: float = 120.0, **kw) -> httpx.Client:
+        """An :class:`httpx.Client` for this server (``base_url`` set)."""
+        return httpx.Client(base_url=self.url, timeout=timeout, **kw)
 
-        def read() -> None:
-            for line in self.proc.stdout:
-                if line.startswith(READY_PREFIX):
-                    found.append(line.strip())
-                    return
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(timeout_s)
-        if not found:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + "".join(self.stderr[-30:]))
-        return found[0].rsplit(" ", 1)[-1]
-
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Stop the server (SIGINT, then SIGKILL after 30 s) and return its exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -76,6 +110,9 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        for t in self._readers:  # the pipes close with the process: its last lines are in
+            t.join(timeout=5)
+        return self.proc.returncode
 
     def __enter__(self) -> LocalServer:
         return self

@@ -4,8 +4,11 @@ The recorded assistant messages stand in for generated ones and summaries are sy
 of the recorded length. A request's ``cached_tokens`` is the longest prefix, in tokens *and*
 ops (DESIGN.md §2: sharing needs a common prefix of both), that it shares with an earlier
 request of the same trajectory followed by that request's output, i.e. what a server that never
-evicts would report (page rounding ignored). This isolates the policies' cost from server
-capacity and timing: the measured replay reports the same quantities from the server.
+evicts would report (page rounding ignored). Prefixes are compared on the server's own radix
+keys (:func:`akv_jax.serving.radix.request_keys`), and an answer is cached as the server caches
+it: every generated token but the last (which is sampled, never fed back, so has no KV). This
+isolates the policies' cost from server capacity and timing: the measured replay reports the
+same quantities from the server.
 """
 
 from __future__ import annotations
@@ -16,22 +19,13 @@ from akv_jax.agent.cost import Usage
 from akv_jax.agent.messages import Message, Request, synthetic_tokens
 from akv_jax.agent.policies import Policy
 from akv_jax.agent.trajectory import Trajectory
-
-Key = int | tuple
+from akv_jax.cache.ops import parse_history
+from akv_jax.serving.radix import Key, request_keys
 
 
 def request_key(req: Request) -> list[Key]:
-    """Tokens with op markers after their boundary (drops, then repos), as the server keys."""
-    drops = {int(b): tuple(v) for b, v in ((req.cache or {}).get("drop") or {}).items()}
-    repos = set((req.cache or {}).get("reposition") or ())
-    out: list[Key] = []
-    for s, seg in enumerate(req.segments):
-        out.extend(seg)
-        if drops.get(s):
-            out.append(("drop", drops[s]))
-        if s in repos:
-            out.append(("repos",))
-    return out
+    """The server's radix keys of ``req``: its tokens with op items after their boundary."""
+    return request_keys(req.segments, parse_history(req.cache, len(req.segments)))[0]
 
 
 def _common(a: Sequence[Key], b: Sequence[Key]) -> int:
@@ -62,7 +56,7 @@ def offline_usage(policy: Policy, traj: Trajectory, vocab_size: int = 512) -> li
             # the last prompt token is always recomputed for its logits
             cached = min(cached, req.prompt_tokens - 1)
             usages.append(Usage(req.prompt_tokens, cached, len(out), req.repos_tokens))
-            seen.append(key + list(out))
+            seen.append(key + list(out[:-1]))  # the server keeps the KV of fed tokens
             policy.observe(req, out)
             if req.kind == "turn":
                 break

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from akv_jax.agent.messages import INSTRUCTION_ROLES, Message, Request, synthetic_tokens
+from akv_jax.cache.ops import OpHistory
+from akv_jax.cache.timeline import Timeline, timeline
 
 # The paper's settings, in tokens of the 131,072-position model they were chosen for.
 PAPER_CONTEXT = 131_072
@@ -128,13 +130,14 @@ class RollingDrop:
             # rewritten (that would change the prefix of ops and miss the server's cache).
             self._drops[b] = tuple(sorted(self._drops.get(b, ()) + stale))
             self._dropped.update(stale)
-        lens = [m.num_tokens for m in history]
-        peak, next_pos, active = _positions(lens, self._drops, self._repos)
+        tl = self._timeline(history)
+        active = int(tl.final_active.sum())
         repos_tokens = 0
-        if next_pos >= self.repos_threshold and active < next_pos and b not in self._repos:
+        if tl.next_pos >= self.repos_threshold and active < tl.next_pos and b not in self._repos:
             self._repos.append(b)
-            repos_tokens = active
-            next_pos = active
+            tl = self._timeline(history)
+            repos_tokens = active  # the repos re-encodes every active entry
+        peak, next_pos = tl.max_position + 1, tl.next_pos
         if peak > self.max_positions or next_pos + max_new_tokens > self.max_positions:
             raise ContextOverflow(
                 f"{self.name}: context reaches position {max(peak, next_pos + max_new_tokens)}"
@@ -150,21 +153,11 @@ class RollingDrop:
     def observe(self, request: Request, output_ids: Sequence[int]) -> None:
         return None  # the next turn's history carries the output as an assistant message
 
-
-def _positions(
-    lens: Sequence[int], drops: dict[int, tuple[int, ...]], repos: Sequence[int]
-) -> tuple[int, int, int]:
-    """(peak position + 1, next position, active entries) after the last boundary (§2)."""
-    next_pos = active = peak = 0
-    rset = set(repos)
-    for s, n in enumerate(lens):
-        next_pos += n
-        active += n
-        peak = max(peak, next_pos)
-        active -= sum(lens[i] for i in drops.get(s, ()))
-        if s in rset:
-            next_pos = active
-    return peak, next_pos, active
+    def _timeline(self, history: Sequence[Message]) -> Timeline:
+        """Positions of ``history`` under the ops so far, as the server computes them
+        (DESIGN.md §2; :mod:`akv_jax.cache.timeline` is its one statement)."""
+        ops = OpHistory(len(history), dict(self._drops), tuple(sorted(self._repos)))
+        return timeline([m.num_tokens for m in history], ops)
 
 
 class Summarize:

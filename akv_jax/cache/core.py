@@ -10,6 +10,8 @@ reuse compiled code.
 **one** forward pass: queries are cut at segment boundaries, each segment attends to the keys
 it saw when it was appended (its epoch's position version, its visibility), and the FFN runs
 once over all tokens. The same function with an empty history is a plain causal prefill.
+Its host-side plan (which slots each version writes, what each segment sees) is
+:mod:`akv_jax.cache.restore_plan`.
 """
 
 from __future__ import annotations
@@ -23,27 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.cache.ops import OP_APPEND, OP_DROP, OP_REPOS, OpHistory, encode_history
+from akv_jax.cache.restore_plan import plan
 from akv_jax.cache.state import CacheState
-from akv_jax.cache.timeline import Timeline, timeline
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.forward import AttentionFn, KVPool, KVWrites, forward
+from akv_jax.model.forward import KVPool, KVWrites, forward
 from akv_jax.model.params import Params
-from akv_jax.model.rope import RopeTable, rerotate, rope_table_for
-from akv_jax.pallas.metadata import SegmentBatch, SegmentSpec, bucket, build_segment_batch
-
-
-def attention_fn(cfg: ModelConfig, backend: str, block_q: int) -> AttentionFn:
-    """The segment-batch attention for ``backend`` ("reference", "pallas" or "auto")."""
-    if backend == "reference":
-        from akv_jax.pallas.reference import segment_attention_reference
-
-        return functools.partial(
-            segment_attention_reference, block_q=block_q, sm_scale=cfg.head_dim**-0.5
-        )
-    from akv_jax.pallas.dispatch import make_attention_fn
-
-    return make_attention_fn(backend, block_q=block_q, sm_scale=cfg.head_dim**-0.5)
-
+from akv_jax.model.rope import rope_table_for
+from akv_jax.pallas.dispatch import make_attention_fn
+from akv_jax.pallas.metadata import AttentionFn, SegmentBatch, bucket, build_segment_batch
+from akv_jax.pallas.rotary import RopeTable, rerotate
 
 # ----------------------------------------------------------------------------- incremental
 
@@ -180,7 +170,9 @@ class CacheOps:
 
     @functools.cached_property
     def _append(self):
-        attn = attention_fn(self.cfg, self.backend, self.block_q)
+        attn = make_attention_fn(
+            self.backend, block_q=self.block_q, sm_scale=self.cfg.head_dim**-0.5
+        )
         fn = functools.partial(
             append, cfg=self.cfg, attention=attn, block_q=self.block_q, rope=self.rope
         )
@@ -262,82 +254,9 @@ def run_history(
 # ----------------------------------------------------------------------------- one pass
 
 
-@dataclasses.dataclass(frozen=True)
-class RestorePlan:
-    """Host-side plan of a one-pass restore over a single-sequence layout.
-
-    Version ``E`` (the final one) is written to pages ``[0, MP)``, which become the state's
-    pages; each earlier version ``e`` gets temporary pages ``[(e+1) MP, (e+2) MP)``.
-    """
-
-    timeline: Timeline
-    tokens: np.ndarray  # [T_pad]
-    q_positions: np.ndarray  # [T_pad]
-    write_slots: np.ndarray  # [W, T_pad]
-    write_positions: np.ndarray  # [W, T_pad]
-    segments: list[SegmentSpec]
-    pool_pages: int
-
-
-def plan(
-    segments: Sequence[Sequence[int]],
-    history: OpHistory,
-    *,
-    max_pages: int,
-    page_size: int,
-    block_q: int,
-    t_pad: int | None = None,
-    num_versions: int | None = None,
-) -> RestorePlan:
-    """Plan the one-pass restore of ``history`` over ``segments``.
-
-    ``t_pad`` and ``num_versions`` fix the padded token count and the number of version
-    rows (extra rows write nothing), so many histories can share one compiled program.
-    """
-    tl = timeline([len(s) for s in segments], history)
-    T = tl.num_tokens
-    if T > max_pages * page_size:
-        raise ValueError(f"{T} tokens exceed the capacity {max_pages * page_size}")
-    E = tl.num_versions - 1
-    t_pad = t_pad if t_pad is not None else bucket(T, block_q, steps_per_octave=4)
-    W = max(num_versions or 0, E + 1)
-    if t_pad < T or t_pad % block_q:
-        raise ValueError(f"t_pad={t_pad} must be a multiple of {block_q} and >= {T}")
-    tokens = np.zeros(t_pad, np.int32)
-    tokens[:T] = np.concatenate([np.asarray(s, np.int32) for s in segments])
-    q_pos = np.zeros(t_pad, np.int32)
-    q_pos[:T] = tl.append_pos
-    pool_pages = (E + 1) * max_pages
-    sentinel = pool_pages * page_size
-
-    def base_page(e: int) -> int:
-        return 0 if e == E else (e + 1) * max_pages
-
-    slots = np.full((W, t_pad), sentinel, np.int32)
-    wpos = np.zeros((W, t_pad), np.int32)
-    for e in range(E + 1):
-        has = np.nonzero(tl.version_has[e])[0]
-        slots[e, has] = base_page(e) * page_size + has
-        wpos[e, :T] = tl.version_pos[e]
-    specs = []
-    for s in range(tl.num_segments):
-        sl = tl.segment_tokens(s)
-        view_pages = -(-sl.stop // page_size)
-        base = base_page(int(tl.seg_epoch[s]))
-        specs.append(
-            SegmentSpec(
-                q_start=sl.start,
-                q_len=sl.stop - sl.start,
-                pages=list(range(base, base + view_pages)),
-                kv_visible=tl.visible_to(s),
-                causal_pos=sl.start,
-            )
-        )
-    return RestorePlan(tl, tokens, q_pos, slots, wpos, specs, pool_pages)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "attention"))
-def _restore_forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention):
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "block_q"))
+def _restore_forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, backend, block_q):
+    attention = make_attention_fn(backend, block_q=block_q, sm_scale=cfg.head_dim**-0.5)
     return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention)
 
 
@@ -380,7 +299,6 @@ def restore(
     dtype = params.embed.dtype
     kv = KVPool.zeros(cfg, p.pool_pages, page_size, dtype)
     writes = KVWrites(slots=jnp.asarray(p.write_slots), positions=jnp.asarray(p.write_positions))
-    attn = _cached_attention(cfg, backend, block_q)
     logits, kv = _restore_forward(
         params,
         cfg,
@@ -390,7 +308,8 @@ def restore(
         writes,
         batch,
         rope,
-        attn,
+        backend,
+        block_q,
     )
     T = tl.num_tokens
     positions = np.zeros(n, np.int32)
@@ -412,9 +331,3 @@ def restore(
         num_ops=jnp.int32(len(encode_history(history, tl.seg_lens))),
     )
     return logits[:T], state
-
-
-@functools.cache
-def _cached_attention(cfg: ModelConfig, backend: str, block_q: int) -> AttentionFn:
-    # One attention callable per (model, backend, block) so jit's static-arg cache hits.
-    return attention_fn(cfg, backend, block_q)

@@ -178,6 +178,14 @@ def decode_history(ops: np.ndarray) -> tuple[OpHistory, list[int]]:
     )
 
 
+def token_outside_vocab(t: int, vocab_size: int | None) -> str | None:
+    """Why token id ``t`` is not in a vocabulary of ``vocab_size`` ids (None if it is):
+    the one statement of the rule, for prompts and stop tokens alike."""
+    if t < 0 or (vocab_size is not None and t >= vocab_size):
+        return f"token id {t} outside the vocabulary"
+    return None
+
+
 def validate_segments(segments: Any, field: str = "input_ids", vocab_size: int | None = None):
     """Segments as a list of non-empty lists of in-vocabulary token ids.
 
@@ -198,8 +206,8 @@ def validate_segments(segments: Any, field: str = "input_ids", vocab_size: int |
         for j, t in enumerate(seg):
             if isinstance(t, bool) or not isinstance(t, int):
                 raise CacheOpError(f"{f}[{j}]", f"expected an integer token id, got {t!r}")
-            if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise CacheOpError(f"{f}[{j}]", f"token id {t} outside the vocabulary")
+            if (why := token_outside_vocab(t, vocab_size)) is not None:
+                raise CacheOpError(f"{f}[{j}]", why)
             ids.append(t)
         out.append(ids)
     return out

@@ -15,26 +15,18 @@ import numpy as np
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import KVPool, KVWrites, forward
 from akv_jax.model.params import Params
-from akv_jax.model.rope import RopeTable, rope_table_for
+from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
-from akv_jax.pallas.reference import segment_attention_reference
+from akv_jax.pallas.rotary import RopeTable
 
 PAGE_SIZE = 16
 BLOCK_Q = 64
 
 
-def _attention(cfg: ModelConfig, block_q: int, backend: str = "reference"):
-    if backend == "reference":
-        return functools.partial(
-            segment_attention_reference, block_q=block_q, sm_scale=cfg.head_dim**-0.5
-        )
-    return make_attention_fn(backend, block_q=block_q, sm_scale=cfg.head_dim**-0.5)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "block_q", "backend"))
 def _step(params, cfg, tokens, positions, kv, writes, batch, rope, rows, block_q, backend):
-    attention = _attention(cfg, block_q, backend)
+    attention = make_attention_fn(backend, block_q=block_q, sm_scale=cfg.head_dim**-0.5)
     return forward(params, cfg, tokens, positions, kv, writes, batch, rope, attention, rows)
 
 

@@ -11,15 +11,14 @@ the same token's key (one write per version).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.params import LayerParams, Params
-from akv_jax.model.rope import RopeTable, apply_rope
-from akv_jax.pallas.metadata import SegmentBatch
+from akv_jax.pallas.metadata import AttentionFn, SegmentBatch
+from akv_jax.pallas.rotary import RopeTable, apply_rope
 
 
 @jax.tree_util.register_dataclass
@@ -55,11 +54,6 @@ class KVWrites:
 
     slots: jax.Array  # [W, T] int32
     positions: jax.Array  # [W, T] int32
-
-
-# attention(q [T,Hq,Dh], k_pages, v_pages, batch, layer=None) -> [T,Hq,Dh]: k/v_pages are one
-# layer's pool [P, ps, Hkv, Dh], or every layer's [L, P, ps, Hkv, Dh] with ``layer`` picking one.
-AttentionFn = Callable[..., jax.Array]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

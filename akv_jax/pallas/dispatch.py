@@ -9,10 +9,12 @@
   the reference's semantics, reading only visible pages); the reference for a shape a kernel
   body cannot take (e.g. a page size that is not a power of two on the GPU).
 
-The returned callables have the shapes :mod:`akv_jax.model.forward` expects:
-``attention(q, k_pages, v_pages, batch, layer=None)`` (``layer`` given: the pools hold every
-layer, [L, P, ps, Hkv, Dh]) and
-``repos(k_pages, pages, old_pos, new_pos, table)``.
+The returned callables: ``attention(q, k_pages, v_pages, batch, layer=None)``
+(:data:`~akv_jax.pallas.metadata.AttentionFn`; ``layer`` given: the pools hold every layer,
+[L, P, ps, Hkv, Dh]), which :func:`akv_jax.model.forward.forward` calls, and
+``repos(k_pages, pages, old_pos, new_pos, table)``, which the server's re-rotated copies use
+(:mod:`akv_jax.serving.device_group`). This is the one factory of each: every path that
+attends or re-rotates (model, cache ops, server, benchmarks) gets its function here.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 
 from akv_jax.pallas import repos as repos_lib
 from akv_jax.pallas.chunked import segment_attention_chunked
-from akv_jax.pallas.metadata import SegmentBatch, is_pow2
+from akv_jax.pallas.metadata import AttentionFn, is_pow2
 from akv_jax.pallas.reference import repos_reference, segment_attention_reference
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
 from akv_jax.pallas.segment_attention_tpu import segment_attention_tpu
@@ -50,7 +52,6 @@ def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, boo
     return "gpu", True  # pallas on the CPU: the GPU body, interpreted
 
 
-
 def make_attention_fn(
     backend: str = "auto",
     *,
@@ -60,7 +61,7 @@ def make_attention_fn(
     sliding_window: int | None = None,
     platform: str | None = None,
     **kernel_options: Any,
-) -> Callable[[jax.Array, jax.Array, jax.Array, SegmentBatch], jax.Array]:
+) -> AttentionFn:
     """Segment-batch attention for ``backend`` (see the module docstring).
 
     ``kernel_options`` go to the kernel body (e.g. ``kv_splits``, ``num_warps`` on the GPU,

@@ -14,13 +14,14 @@ restore (many segments, each over the position version it originally saw) are al
 batches. Queries are cut into blocks of ``block_q`` rows that never straddle a segment, which
 is the unit the kernels' grids and the reference's ``lax.map`` iterate over.
 
-Everything here is host-side numpy; :class:`SegmentBatch` is the device pytree.
+Everything here is host-side numpy; :class:`SegmentBatch` is the device pytree, and
+:data:`AttentionFn` the signature of every attention over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,12 @@ class SegmentBatch:
     @property
     def max_pages(self) -> int:
         return self.page_table.shape[1]
+
+
+# attention(q [T,Hq,Dh], k_pages, v_pages, batch, layer=None) -> [T,Hq,Dh]: k/v_pages are one
+# layer's pool [P, ps, Hkv, Dh], or every layer's [L, P, ps, Hkv, Dh] with ``layer`` picking one.
+# akv_jax.pallas.dispatch.make_attention_fn makes them; akv_jax.model.forward calls them.
+AttentionFn = Callable[..., jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from akv_jax.model.rope import RopeTable, rerotate
 from akv_jax.pallas.metadata import NEG_INF, SegmentBatch
+from akv_jax.pallas.rotary import RopeTable, rerotate
 
 
 def segment_attention_reference(

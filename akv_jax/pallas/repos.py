@@ -1,7 +1,8 @@
 """Repos kernel: re-rotate the stored keys of listed pages, in place (``K' = R(new) R(old)^-1 K``).
 
-The combined rotation per slot is computed outside the kernel exactly as
-:func:`akv_jax.model.rope.rerotate` does it (the table's float32 cos/sin at the old and the
+The combined rotation per slot is computed outside the kernel by
+:func:`akv_jax.pallas.rotary.rotation_tables`, the same function
+:func:`~akv_jax.pallas.rotary.rerotate` uses (the table's float32 cos/sin at the old and the
 new position, combined by the difference formulas in float32), so the kernel matches
 :func:`akv_jax.pallas.reference.repos_reference` to rounding at any position; a float32
 ``delta * inv_freq`` angle would be off by ~1e-3 rad at 32k. Only ``[N, page_size, Dh]`` of
@@ -19,6 +20,9 @@ Two bodies:
   (:func:`gpu_supports`);
 * TPU (Mosaic): grid over pages, scalar-prefetched page ids, manual DMA of the page to VMEM
   and back under ``pl.when`` so padding entries write nothing.
+
+The server calls it (through :func:`akv_jax.pallas.dispatch.make_repos_fn`) for its
+re-rotated copies, on temporary pages (see :mod:`akv_jax.serving.device_group`).
 """
 
 from __future__ import annotations
@@ -31,18 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from akv_jax.model.rope import RopeTable
 from akv_jax.pallas.metadata import is_pow2
-
-
-def rotation_tables(
-    old_pos: jax.Array, new_pos: jax.Array, table: RopeTable
-) -> tuple[jax.Array, jax.Array]:
-    """cos/sin ``[N, ps, Dh/2]`` of ``theta(new) - theta(old)``, the way ``rerotate`` forms them."""
-    c_old, s_old = table.cos[old_pos], table.sin[old_pos]
-    c_new, s_new = table.cos[new_pos], table.sin[new_pos]
-    return c_new * c_old + s_new * s_old, s_new * c_old - c_new * s_old
-
+from akv_jax.pallas.rotary import RopeTable, rotation_tables
 
 # ----------------------------------------------------------------------------------------- GPU
 
@@ -50,7 +44,6 @@ def rotation_tables(
 def gpu_supports(page_size: int, head_dim: int) -> bool:
     """Triton tensors are power-of-two sized: page size and half the head dim must be."""
     return is_pow2(page_size) and head_dim % 2 == 0 and is_pow2(head_dim // 2)
-
 
 
 def _repos_gpu_kernel(pages_ref, cos_ref, sin_ref, k_ref, o_ref):

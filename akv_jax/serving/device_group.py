@@ -5,6 +5,15 @@ Colocated serving uses one group (one device, or a ``("data", "tensor")`` mesh f
 on the first, decode on the second, and the pages each writes are handed to the other
 (:func:`transfer_pages`) before anyone there reads them. Both pools use the same page ids,
 so the host-side page pool and radix tree stay single.
+
+Re-rotated copies (:meth:`DeviceGroup.rerotate_copy`: a resident key copied into another
+position version's slot, ``K' = R(new) R(old)^-1 K``, V copied) go through the repos kernel
+picked by :func:`akv_jax.pallas.dispatch.make_repos_fn` for the group's attention backend
+(the kernel on GPU and TPU, or with "pallas" anywhere; the jnp reference otherwise). The
+kernel rotates whole pages in place, while a copy must leave its source (another version that
+other requests still read) untouched and may land anywhere: so the source keys are gathered
+into temporary pages of :data:`COPY_PAGE` slots, rotated there in one kernel call for every
+layer, and scattered to their destination slots.
 """
 
 from __future__ import annotations
@@ -19,10 +28,12 @@ from jax.sharding import NamedSharding
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import KVPool, KVWrites, forward
 from akv_jax.model.params import Params, logical_to_spec, make_mesh, shard_params
-from akv_jax.model.rope import RopeTable, rerotate
+from akv_jax.pallas.dispatch import make_repos_fn
 from akv_jax.pallas.metadata import SegmentBatch, bucket
+from akv_jax.pallas.rotary import RopeTable
 
 KV_AXES = ("layer", "page", "slot", "kv_heads", "head_dim")
+COPY_PAGE = 8  # slots per temporary page of re-rotated copies (a power of two, as Triton needs)
 
 
 class DeviceGroup:
@@ -34,9 +45,13 @@ class DeviceGroup:
         page_size: int,
         dtype,
         devices: list | None = None,
+        attention_backend: str = "auto",
     ):
-        """``devices``: None for the default device; else a tensor-parallel mesh over them."""
+        """``devices``: None for the default device; else a tensor-parallel mesh over them.
+        ``attention_backend`` ("auto", "reference" or "pallas") picks the re-rotation kernel
+        the same way it picks attention."""
         self.cfg = cfg
+        self._repos = make_repos_fn(attention_backend)
         self.mesh = None
         self.kv_sharding = None
         kv = KVPool.zeros(cfg, num_pages, page_size, dtype)
@@ -82,12 +97,12 @@ class DeviceGroup:
 
     def rerotate_copy(self, copies: list[tuple[int, int, int, int]], rope: RopeTable) -> None:
         """Copy (src slot, dst slot, old pos, new pos) entries, keys re-rotated."""
-        n = bucket(len(copies), 8)
+        n = bucket(len(copies), COPY_PAGE)
         P, ps = self.kv.k.shape[1], self.kv.k.shape[2]
         arr = np.zeros((4, n), np.int32)
         arr[1] = P * ps  # padding copies write out of range
         arr[:, : len(copies)] = np.asarray(copies, np.int32).T
-        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), rope)
+        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), rope, self._repos)
 
 
 def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None:
@@ -113,14 +128,21 @@ def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention
     return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope) -> KVPool:
-    """Copy keys (re-rotated old_pos -> new_pos) and values from slots ``src`` to ``dst``."""
+@functools.partial(jax.jit, static_argnames=("repos",), donate_argnums=(0,))
+def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope, repos) -> KVPool:
+    """Copy keys (re-rotated old_pos -> new_pos) and values from slots ``src`` to ``dst``
+    (``len(src)`` a multiple of :data:`COPY_PAGE`); ``repos`` is a ``make_repos_fn`` function."""
     L, P, ps, H, D = kv.k.shape
+    n = src.shape[0]
     k = kv.k.reshape(L, P * ps, H, D)
     v = kv.v.reshape(L, P * ps, H, D)
-    k_src = jax.vmap(lambda kl: rerotate(kl[src], old_pos, new_pos, rope))(k)
-    k = k.at[:, dst].set(k_src.astype(k.dtype), mode="drop")
+    # Temporary page l * n/COPY_PAGE + j holds layer l's copies j*COPY_PAGE .. (j+1)*COPY_PAGE.
+    tmp = k[:, src].reshape(L * n // COPY_PAGE, COPY_PAGE, H, D)
+    per_layer = (n // COPY_PAGE, COPY_PAGE)
+    old = jnp.tile(old_pos.reshape(per_layer), (L, 1))
+    new = jnp.tile(new_pos.reshape(per_layer), (L, 1))
+    k_src = repos(tmp, jnp.arange(tmp.shape[0], dtype=jnp.int32), old, new, rope)
+    k = k.at[:, dst].set(k_src.reshape(L, n, H, D), mode="drop")
     v = v.at[:, dst].set(v[:, src], mode="drop")
     return KVPool(k=k.reshape(kv.k.shape), v=v.reshape(kv.v.shape))
 

@@ -124,7 +124,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 def served_name(model_path: str | None) -> str:
     if model_path in (None, "", "default"):
-        from akv_jax.model.loading import DEFAULT_MODEL
+        from converters.loading import DEFAULT_MODEL
 
         return DEFAULT_MODEL
     path = Path(model_path)
@@ -188,24 +188,15 @@ def init_distributed(args: argparse.Namespace) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot check on its own."""
-    if args.tp > 1:
+    if args.tp > 1 or args.disaggregate is not None:
         import jax
 
-        if jax.device_count() < args.tp:
-            raise StartupError(
-                f"--tp {args.tp}: only {jax.device_count()} devices available", EXIT_USAGE
-            )
-    if args.disaggregate is not None:
-        import jax
+        from akv_jax.serving.executor import check_devices
 
-        need = sum(args.disaggregate)
-        if args.tp > 1:
-            raise StartupError("--tp and --disaggregate do not combine (each group is "
-                               "tensor-parallel over its own devices)", EXIT_USAGE)
-        if jax.device_count() < need:
-            raise StartupError(f"--disaggregate {args.disaggregate[0]},{args.disaggregate[1]}: "
-                               f"needs {need} devices, {jax.device_count()} available",
-                               EXIT_USAGE)
+        try:
+            check_devices(args.tp, args.disaggregate, jax.device_count())
+        except ValueError as e:
+            raise StartupError(str(e), EXIT_USAGE) from None
     if args.max_total_tokens < args.page_size:
         raise StartupError(
             f"--max-total-tokens {args.max_total_tokens} is smaller than one page "
@@ -219,7 +210,7 @@ def enable_compile_cache(where: str | None) -> None:
         return
     import jax
 
-    from akv_jax.model.loading import cache_root
+    from converters.loading import cache_root
 
     path = Path(where) if where else cache_root() / "xla"
     try:
@@ -232,8 +223,8 @@ def enable_compile_cache(where: str | None) -> None:
 
 def build_engine(args: argparse.Namespace):
     """Load the model and start the engine (StartupError on any failure)."""
-    from akv_jax.model.loading import load_model
     from akv_jax.serving.engine import Engine
+    from converters.loading import load_model
 
     what = args.model_path or "the default model"
     enable_compile_cache(args.compile_cache_dir)
@@ -258,6 +249,10 @@ def build_engine(args: argparse.Namespace):
         if not args.skip_warmup:
             # every process of a multi-host run warms up alike, in step
             warmup(engine, args.warmup_shapes)
+        if args.num_processes > 1:
+            from akv_jax.serving.multihost import check_replicas
+
+            engine.replica_check = check_replicas  # on every process, from the first request
     except Exception as e:
         log.debug("engine start failed", exc_info=True)
         raise StartupError(f"cannot start the engine for {what}: {e}") from None
@@ -336,10 +331,6 @@ def main(argv: list[str] | None = None) -> int:
             return run_follower(engine)
         sock = bind_socket(args.host, args.port)
         model, engine = build_engine(args)
-        if multi:
-            from akv_jax.serving.multihost import check_replicas
-
-            engine.replica_check = check_replicas  # the followers' engines check alike
         server = build_server(args, sock, model, engine, lockstep=multi)
     except StartupError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -363,9 +354,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_follower(engine: Engine) -> int:
     """Processes 1..N-1 of a multi-host run: mirror the leader until it stops (0), or exit
     with one line when the leader is lost or the engines diverge (1)."""
-    from akv_jax.serving.multihost import MultihostError, check_replicas, follower_loop
+    from akv_jax.serving.multihost import MultihostError, follower_loop
 
-    engine.replica_check = check_replicas
     try:
         follower_loop(engine)  # returns when process 0 shuts down
     except MultihostError as e:

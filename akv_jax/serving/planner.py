@@ -1,0 +1,303 @@
+"""Op-aware planning: what one request's prefill computes, and how its rows are laid out.
+
+A request's prefill runs as **one pass** (DESIGN.md §4): match the longest stored prefix;
+decide which nodes must be computed (new nodes, the last token node for its logits, and any
+emptied node whose KV is still visible to something computed or to the final view: that is
+the one-pass restore); lay out pages. Keys that a repos re-encodes are written once per
+position version by the same forward, or re-rotated from resident pages before it (pre-pass
+copies). Decode rows are planned here too: one token, the request's final view plus its
+generated pages.
+
+Planning only reads node fields; every write goes through :class:`CacheManager`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from akv_jax.cache.timeline import Timeline
+from akv_jax.pallas.metadata import SegmentSpec
+from akv_jax.serving.cache_manager import CacheManager
+from akv_jax.serving.radix import Node
+from akv_jax.serving.work import Pass, RequestState
+
+
+class PoolTooSmall(RuntimeError):
+    """A request that can never fit the KV pool as its prefix is stored."""
+
+
+def visible(tl: Timeline, toks, seg: int) -> np.ndarray:
+    """Which of the absolute tokens ``toks`` (-1: padding) segment ``seg`` attends to."""
+    toks = np.asarray(toks, np.int64)
+    ok = toks >= 0
+    out = np.zeros(len(toks), bool)
+    out[ok] = tl.drop_boundary[tl.token_seg[toks[ok]]] >= seg
+    return out
+
+
+def final_view(path: list[Node]) -> list[Node]:
+    """The nodes a request's final version reads: the last repos node (its compact copy)
+    and the token nodes after it, or every token node when there is no repos."""
+    view: list[Node] = []
+    for node in path:
+        if node.kind == "tokens":
+            view.append(node)
+        elif node.kind == "repos":
+            view = [node]
+    return view
+
+
+class Planner:
+    def __init__(self, cache: CacheManager):
+        self.cache = cache
+        self.page_size = cache.page_size
+
+    # ------------------------------------------------------------------ prefill
+    def plan(self, r: RequestState, step: int) -> Pass | None:
+        """Plan ``r``'s prefill pass, or None to retry next step (memory or dependencies).
+        Raises :class:`PoolTooSmall` when it can never fit; whatever it raises, the cache
+        is as before (the plan's changes are undone)."""
+        cache = self.cache
+        cache.begin_plan()
+        try:
+            p = self._plan(r, step)
+        except BaseException:
+            cache.undo_plan()
+            r.last_node = r.prompt_last_node = None
+            r.view_nodes, r.view_pages, r.view_toks = [], [], None
+            raise
+        if p is None:
+            cache.undo_plan()
+        cache.end_plan()
+        return p
+
+    def _plan(self, r: RequestState, step: int) -> Pass | None:
+        cache = self.cache
+        path, fresh = self.build_path(r)
+        if any(n.busy_step == step or n.writer is not None for n in path):
+            # Another request computes part of this path in this step, or in slices still to
+            # run: its pages are not written yet (too late for this pass's pre-pass copies).
+            return None
+        final = [v for v in final_view(path) if r.tl.final_active[list(v.token_ids())].any()]
+        compute, needed = self.choose_compute(r, path, fresh, final)
+        used = [n for n in path if n.id in compute or n.id in needed]
+        # pages_bound() counts a request's own segments, but a stored prefix split at other
+        # requests' message boundaries can take more pages (a node each, page-aligned).
+        holds = sum(cache.node_pages(n) for n in used if n.kind != "drop")
+        holds += cache.pages_for(r.req.sampling.max_new_tokens)
+        if holds > cache.num_pages:
+            raise PoolTooSmall(
+                f"this request needs {holds} KV pages at once (its prefix is stored split at "
+                f"other requests' message boundaries); the pool has {cache.num_pages}: raise "
+                "--max-total-tokens"
+            )
+        cache.hold(used, path[-1])
+        to_alloc = [n for n in path if n.id in compute and n.pages is None]
+        if not cache.alloc_nodes(to_alloc):
+            return None
+        cache.mark_writing([n for n in path if n.id in compute], r.rid)
+        p = self.lay_out(r, path, compute, final)
+        p.written_pages = [pg for n in path if n.id in compute for pg in n.pages]
+        p.restored_tokens = sum(len(n.token_ids()) for n in to_alloc if n.id not in fresh)
+        return p
+
+    def build_path(self, r: RequestState) -> tuple[list[Node], set[int]]:
+        """Matched nodes plus fresh nodes for the rest of the keys; ids of fresh nodes."""
+        cache, tl = self.cache, r.tl
+        path = cache.match(r.keys)
+        i = sum(len(n.key) for n in path)
+        parent = path[-1] if path else cache.tree.root
+        fresh: set[int] = set()
+        while i < len(r.keys):
+            k = r.keys[i]
+            if isinstance(k, int):
+                # One node per segment: a rolling drop then empties whole nodes (a node that
+                # also held the previous message's last token could never become dead).
+                seg = tl.token_seg[r.tok_index[i]]
+                j = i
+                while (
+                    j < len(r.keys)
+                    and isinstance(r.keys[j], int)
+                    and tl.token_seg[r.tok_index[j]] == seg
+                ):
+                    j += 1
+                node = cache.add(parent, tuple(r.keys[i:j]), "tokens", r.tok_index[i])
+                i = j
+            else:
+                held = ()
+                if k[0] == "repos":  # it will hold copies of the tokens active there
+                    held = tuple(tl.active_after(r.key_boundary[i]).tolist())
+                node = cache.add(parent, (k,), k[0], held_tokens=held)
+                i += 1
+            fresh.add(node.id)
+            path.append(node)
+            parent = node
+        # The last prompt token's logits must be computed even on a full match; split a
+        # resident last token node so that only its last page is recomputed.
+        k = max(i for i, n in enumerate(path) if n.kind == "tokens")
+        last = path[k]
+        cut = ((len(last.key) - 1) // self.page_size) * self.page_size
+        if last.id not in fresh and cut > 0:
+            path[k : k + 1] = [cache.split(last, cut), last]
+        return path, fresh
+
+    def choose_compute(
+        self, r: RequestState, path: list[Node], fresh: set[int], final: list[Node]
+    ) -> tuple[set[int], set[int]]:
+        """``(compute, needed)``: nodes to compute (fresh ones, the last token node, and, to a
+        fixpoint, every emptied node whose KV something computed, or the final view
+        ``final``, still attends to) and the nodes whose KV the pass or the final view
+        reads."""
+        tl = r.tl
+        compute = {n.id for n in path if n.id in fresh and n.kind != "drop"}
+        last_tok = next(n for n in reversed(path) if n.kind == "tokens")
+        compute.add(last_tok.id)
+        while True:
+            needed = {v.id for v in final}
+            view: list[Node] = []
+            for node in path:
+                if node.kind == "tokens":
+                    if node.id in compute:
+                        s = int(tl.token_seg[node.tok_start])
+                        needed |= {v.id for v in view if visible(tl, v.token_ids(), s).any()}
+                    view.append(node)
+                elif node.kind == "repos":
+                    if node.id in compute:
+                        held = set(node.held_tokens)
+                        needed |= {v.id for v in view if held & set(v.token_ids())}
+                    view = [node]
+            extra = {n.id for n in path if n.id in needed and n.evicted} - compute
+            if not extra:
+                return compute, needed
+            compute |= extra
+
+    def lay_out(
+        self, r: RequestState, path: list[Node], compute: set[int], final: list[Node]
+    ) -> Pass:
+        """The pass's rows, segments, writes and pre-pass copies; records ``r``'s final
+        view (``final``: its nodes that the final version attends to)."""
+        tl, ps = r.tl, self.page_size
+        p = Pass()
+        pass_row: dict[int, int] = {}  # abs token -> row in this pass
+        src: dict[int, tuple[int, int]] = {}  # abs token -> (slot, pos) of a resident copy
+        view: list[Node] = []
+        epoch = 0
+        cached = 0
+        for node in path:
+            if node.kind == "tokens":
+                toks = node.token_ids()
+                if node.pages is None:  # emptied and, by choose_compute, never read here
+                    # Dropped before anything computed now could see it: served by the cache
+                    # state (nothing recomputes it), so it counts as cached, like reused KV.
+                    cached += len(toks)
+                    view.append(node)
+                    continue
+                slots = _slots(node.pages, len(node.key), ps)
+                if node.id in compute:
+                    seg = int(tl.token_seg[node.tok_start])
+                    view_toks = [t for v in view for t in self._slot_tokens(v)]
+                    vis = np.concatenate([visible(tl, view_toks, seg), np.ones(len(toks), bool)])
+                    p.segments.append(
+                        SegmentSpec(
+                            q_start=len(p.tokens),
+                            q_len=len(toks),
+                            pages=self._view_pages(view) + list(node.pages),
+                            kv_visible=vis,
+                            causal_pos=len(view_toks),
+                        )
+                    )
+                    for t, tid, sl in zip(toks, node.key, slots, strict=True):
+                        pass_row[t] = len(p.tokens)
+                        p.tokens.append(tid)
+                        p.q_pos.append(int(tl.append_pos[t]))
+                        p.writes.append([(sl, int(tl.append_pos[t]))])
+                    src.update({t: None for t in toks})
+                else:
+                    cached += len(toks)
+                    pos = tl.version_pos[epoch]
+                    src.update({t: (sl, int(pos[t])) for t, sl in zip(toks, slots, strict=True)})
+                view.append(node)
+            elif node.kind == "repos":
+                epoch += 1
+                held = node.held_tokens
+                view = [node]
+                if node.pages is None:  # emptied and unread: later versions come after it
+                    src = {}
+                    continue
+                slots = _slots(node.pages, len(held), ps)
+                if node.id in compute:
+                    for t, sl in zip(held, slots, strict=True):
+                        new_pos = int(tl.version_pos[epoch][t])
+                        if src.get(t) is None and t in pass_row:
+                            p.writes[pass_row[t]].append((sl, new_pos))
+                        else:
+                            old_slot, old_pos = src[t]
+                            p.copies.append((old_slot, sl, old_pos, new_pos))
+                # Later copies start from this version only when it is resident already;
+                # otherwise they keep using the older resident copy or the pass's write.
+                if node.id not in compute:
+                    pos = tl.version_pos[epoch]
+                    src = {t: (sl, int(pos[t])) for t, sl in zip(held, slots, strict=True)}
+                else:
+                    src = {t: src.get(t) for t in held}
+        last_tok = next(n for n in reversed(path) if n.kind == "tokens")
+        p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
+        r.view_pages = self._view_pages(view)
+        r.view_nodes = final
+        r.view_toks = np.asarray([t for v in view for t in self._slot_tokens(v)], np.int64)
+        r.last_node = path[-1]
+        r.prompt_last_node = path[-1]
+        r.cached_tokens = cached
+        return p
+
+    # ------------------------------------------------------------------ decode
+    def decode_pass(self, r: RequestState) -> Pass | None:
+        """``r``'s next decode row, or None when no page is free for its next token."""
+        ps = self.page_size
+        j = len(r.generated) - 1  # index of the token being fed
+        if j // ps >= len(r.gen_pages):
+            pages = self.cache.alloc(1)
+            if pages is None:
+                return None
+            r.gen_pages.extend(pages)
+        tl = r.tl
+        toks = r.view_toks
+        vis = toks >= 0
+        vis[vis] = tl.final_active[toks[vis]]
+        gen_vis = np.arange(len(r.gen_pages) * ps) <= j
+        slot = r.gen_pages[j // ps] * ps + j % ps
+        pos = tl.next_pos + j
+        return Pass(
+            tokens=[r.generated[-1]],
+            q_pos=[pos],
+            writes=[[(slot, pos)]],
+            segments=[
+                SegmentSpec(
+                    q_start=0,
+                    q_len=1,
+                    pages=r.view_pages + r.gen_pages,
+                    kv_visible=np.concatenate([vis, gen_vis]),
+                    causal_pos=len(toks) + j,
+                )
+            ],
+            logits_row=0,
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _slot_tokens(self, node: Node) -> list[int]:
+        """Absolute token index held in each slot of the node's pages (-1 for padding)."""
+        toks = list(node.token_ids())
+        n_pages = self.cache.pages_for(len(toks))
+        return toks + [-1] * (n_pages * self.page_size - len(toks))
+
+    def _view_pages(self, view: list[Node]) -> list[int]:
+        """Pages of a view; an emptied node nothing here can see stands in as page 0 with
+        every slot invisible (the planner guarantees nobody attends to it)."""
+        out: list[int] = []
+        for v in view:
+            out += v.pages if v.pages is not None else [0] * self.cache.node_pages(v)
+        return out
+
+
+def _slots(pages: list[int], n: int, page_size: int) -> list[int]:
+    return [pages[i // page_size] * page_size + i % page_size for i in range(n)]

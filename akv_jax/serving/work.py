@@ -1,0 +1,81 @@
+"""What the scheduler tracks for one request, and what one forward runs for it.
+
+A :class:`RequestState` is created at admission and lives until the request finishes; the
+planner fills in its view, the scheduler its status and generated tokens. A :class:`Pass`
+is one request's share of a forward: rows (token, position, where its K/V goes), the
+attention segments those rows form, and pre-pass copies that re-encode resident keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from akv_jax.cache.timeline import Timeline
+from akv_jax.pallas.metadata import SegmentSpec
+from akv_jax.serving.radix import Key, Node
+from akv_jax.serving.types import GenerateRequest
+
+
+@dataclasses.dataclass
+class Pass:
+    """One request's share of a step: query segments, writes and pre-pass copies."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    q_pos: list[int] = dataclasses.field(default_factory=list)
+    writes: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
+    segments: list[SegmentSpec] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    logits_row: int = -1  # -1: no logits wanted (a slice before the last)
+    written_pages: list[int] = dataclasses.field(default_factory=list)
+    restored_tokens: int = 0  # tokens of emptied nodes this pass recomputes (a restore)
+
+    def slice(self, a: int, b: int) -> Pass:
+        """Rows ``[a, b)`` as a pass of their own: segments cut to those rows (a cut
+        segment's first row moves ``causal_pos`` on; its view and pages stay), pre-pass copies
+        with the first slice (their sources are resident), logits with the slice holding
+        ``logits_row``."""
+        segs = []
+        for s in self.segments:
+            lo, hi = max(a, s.q_start), min(b, s.q_start + s.q_len)
+            if lo < hi:
+                segs.append(dataclasses.replace(
+                    s, q_start=lo - a, q_len=hi - lo, causal_pos=s.causal_pos + lo - s.q_start
+                ))
+        return Pass(
+            tokens=self.tokens[a:b],
+            q_pos=self.q_pos[a:b],
+            writes=self.writes[a:b],
+            segments=segs,
+            copies=self.copies if a == 0 else [],
+            logits_row=self.logits_row - a if a <= self.logits_row < b else -1,
+        )
+
+
+@dataclasses.dataclass
+class RequestState:
+    req: GenerateRequest
+    tl: Timeline
+    keys: list[Key]
+    tok_index: list[int]
+    key_boundary: list[int]
+    arrival: float
+    status: str = "waiting"  # waiting | prefill | decode | done
+    last_node: Node | None = None
+    prompt_last_node: Node | None = None
+    # The final version's view, snapshotted as pages and slot tokens: nodes may be split
+    # later by other requests' matches, but their pages never move.
+    view_pages: list[int] = dataclasses.field(default_factory=list)
+    view_toks: np.ndarray | None = None
+    view_nodes: list[Node] = dataclasses.field(default_factory=list)  # final view, any visible
+    gen_pages: list[int] = dataclasses.field(default_factory=list)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
+    rng: np.random.Generator | None = None
+    prefill: Pass | None = None  # the planned pass while it runs, slice by slice
+    prefill_done: int = 0  # rows of it already run
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
