@@ -57,18 +57,20 @@ def make_attention_fn(
     *,
     block_q: int,
     sm_scale: float,
-    sinks: jax.Array | None = None,
     sliding_window: int | None = None,
     platform: str | None = None,
     **kernel_options: Any,
 ) -> AttentionFn:
-    """Segment-batch attention for ``backend`` (see the module docstring).
+    """Segment-batch attention for ``backend`` (see the module docstring):
+    ``attention(q, k_pages, v_pages, batch, layer=None, sinks=None)``.
 
+    ``sliding_window`` is static (one function per layer type); ``sinks`` ([Hq] per-head
+    sink logits, GPT-OSS) are a per-layer parameter, so they come with each call.
     ``kernel_options`` go to the kernel body (e.g. ``kv_splits``, ``num_warps`` on the GPU,
     ``vmem_limit_bytes`` on the TPU) and are ignored by the reference.
     """
     impl, interpret = resolve_backend(backend, platform)
-    common = dict(block_q=block_q, sm_scale=sm_scale, sinks=sinks, sliding_window=sliding_window)
+    common = dict(block_q=block_q, sm_scale=sm_scale, sliding_window=sliding_window)
     reference = functools.partial(segment_attention_reference, **common)
     if impl == "reference":
         if backend == "auto":
@@ -79,12 +81,12 @@ def make_attention_fn(
     body = segment_attention_gpu if impl == "gpu" else segment_attention_tpu
     kernel = functools.partial(body, interpret=interpret, **common, **kernel_options)
 
-    def attention(q, k_pages, v_pages, batch, layer=None):
+    def attention(q, k_pages, v_pages, batch, layer=None, sinks=None):
         if layer is not None:  # the kernels take one layer's pool
             k_pages, v_pages = k_pages[layer], v_pages[layer]
         if impl == "gpu" and backend == "auto" and not is_pow2(k_pages.shape[1]):
-            return reference(q, k_pages, v_pages, batch)
-        return kernel(q, k_pages, v_pages, batch)
+            return reference(q, k_pages, v_pages, batch, sinks=sinks)
+        return kernel(q, k_pages, v_pages, batch, sinks=sinks)
 
     return attention
 
