@@ -246,3 +246,41 @@ def materialize(
             k, v = jnp.where(used, k, jnp.nan), jnp.where(used, v, jnp.nan)
     cast = lambda x: jnp.asarray(x, dtype)
     return cast(q), cast(k), cast(v), case.batch()
+
+
+def mixed_case(
+    rng: np.random.Generator,
+    *,
+    num_segments: int,
+    page_size: int,
+    block_q: int,
+    max_rows: int = 20,
+    spare_pages: int = 3,
+) -> Case:
+    """Decode rows and multi-row prefill segments in one batch, over views laid out like the
+    server's: message nodes on their own pages (the tail of each last page is padding,
+    invisible in the middle of the view), some messages dropped, and a few single entries
+    dropped at random. About a third of the segments are decode rows (one query token)."""
+    ps = page_size
+    layouts = []
+    for _ in range(num_segments):
+        parts = []
+        for _ in range(int(rng.integers(0, 6))):
+            n = int(rng.integers(1, 3 * ps + 2))
+            vis = np.zeros(_pages_for(n, ps) * ps, bool)
+            vis[:n] = rng.random() < 0.7  # a dropped message, or a kept one
+            vis[:n] &= rng.random(n) > 0.1
+            parts.append(vis)
+        q_len = 1 if rng.random() < 0.35 else int(rng.integers(2, max_rows + 1))
+        layouts.append((parts, q_len))
+    need = sum(_pages_for(sum(len(p) for p in parts) + q, ps) for parts, q in layouts)
+    alloc = _Pages(rng, need, spare_pages)
+    specs, row = [], 0
+    for parts, q_len in layouts:
+        before = np.concatenate([*parts, np.zeros(0, bool)])
+        vis = np.r_[before, np.ones(q_len, bool)]
+        pages = alloc.take(_pages_for(len(vis), ps))
+        specs.append(SegmentSpec(q_start=row, q_len=q_len, pages=pages, kv_visible=vis,
+                                 causal_pos=len(before)))
+        row += q_len
+    return Case(specs, bucket(row, block_q), alloc.total, ps, block_q)

@@ -54,7 +54,10 @@ def make(kind: str, *, page_size: int, seed: int = 0, block_q: int | None = None
 
 
 def dense_oracle(q, k_pages, v_pages, specs, page_size, sm_scale, sinks=None, window=None):
-    """Per-token softmax over exactly the keys each query row may see, in float64 numpy."""
+    """Per-token softmax over exactly the keys each query row may see, in float64 numpy.
+
+    A sliding window keeps the ``window`` most recent *visible* keys at or before the row
+    (DESIGN §2.1: the W most recent entries of its view, itself included)."""
     q = np.asarray(q, np.float64)
     k_pages, v_pages = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
     T, Hq, Dh = q.shape
@@ -67,11 +70,9 @@ def dense_oracle(q, k_pages, v_pages, specs, page_size, sm_scale, sinks=None, wi
         vals = v_pages[np.asarray(spec.pages)].reshape(-1, Hkv, Dh)[:n]
         for i in range(spec.q_len):
             c = spec.causal_pos + i
-            j = np.arange(n)
-            seen = spec.kv_visible & (j <= c)
+            idx = np.flatnonzero(spec.kv_visible[: c + 1])  # its view, in append order
             if window is not None:
-                seen &= j > c - window
-            idx = np.flatnonzero(seen)
+                idx = idx[max(len(idx) - window, 0) :]
             for h in range(Hq):
                 logits = keys[idx, h // G] @ q[spec.q_start + i, h] * sm_scale
                 extra = [] if sinks is None else [float(sinks[h])]
@@ -246,6 +247,111 @@ def test_plan_sliding_window_and_causal_cut():
     assert int(plan.lo[0]) == 2 and int(plan.hi[0]) == 6
 
 
+def test_plan_window_counts_visible_slots():
+    """A drop inside the window makes it reach further back: rows 60..63 with W = 20 and
+    slots 44..55 dropped see 20 visible slots starting at 29..32 (not 41..44), so pages 3..
+    are read; page 6 (48..55, all dropped) is skipped like any dropped page."""
+    ps = 8
+    vis = np.ones(80, bool)
+    vis[44:56] = False
+    specs = [SegmentSpec(q_start=0, q_len=4, pages=list(range(10)), kv_visible=vis,
+                         causal_pos=60)]
+    batch = build_segment_batch(specs, page_size=ps, block_q=4)
+    blocks = plan_lib.blocks_of(batch)
+    starts = plan_lib.row_window_starts(batch, blocks, 4, 20)
+    assert np.asarray(starts)[0].tolist() == [29, 30, 31, 32]
+    plan = plan_lib.plan_pages(batch, blocks, page_size=ps, sliding_window=20)
+    # Compacted visible pages: 0 1 2 3 4 5 7 8 9; the block reads 3 4 5 7.
+    assert int(plan.lo[0]) == 3 and int(plan.hi[0]) == 7
+    assert np.asarray(plan.pages)[0, 3:7].tolist() == [3, 4, 5, 7]
+
+
+# ------------------------------------------ sliding window over visible entries (DESIGN §2.1)
+
+WINDOW_BACKENDS = ["reference", "chunked", "gpu", "tpu"]
+# (page_size, group, window, sinks): windows of one entry (itself), smaller than most views,
+# and larger than any view (= full attention); GQA groups 1, 3, 4.
+WINDOW_CASES = [(4, 3, 7, True), (8, 4, 1, False), (4, 1, 1000, True)]
+
+
+def _attend(backend, q, k, v, batch, *, block_q, sm_scale, sinks, window):
+    """The function under test, called the way the model calls it (sinks per call)."""
+    if backend == "tpu":  # the TPU body, interpreted (no dispatch to it on the CPU)
+        return segment_attention_tpu(q, k, v, batch, block_q=block_q, sm_scale=sm_scale,
+                                     sinks=sinks, sliding_window=window, interpret=True)
+    if backend == "chunked":
+        from akv_jax.pallas.chunked import segment_attention_chunked
+
+        return segment_attention_chunked(q, k, v, batch, block_q=block_q, sm_scale=sm_scale,
+                                         sinks=sinks, sliding_window=window, pages_per_chunk=2)
+    # "pallas" on the CPU: the GPU body, interpreted
+    fn = make_attention_fn("pallas" if backend == "gpu" else backend, block_q=block_q,
+                           sm_scale=sm_scale, sliding_window=window)
+    return fn(q, k, v, batch, sinks=sinks)
+
+
+@pytest.mark.parametrize("page_size,group,window,with_sinks", WINDOW_CASES,
+                         ids=[f"ps{c[0]}-g{c[1]}-w{c[2]}{'-sinks' if c[3] else ''}"
+                              for c in WINDOW_CASES])
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+def test_window_counts_visible_entries(backend, page_size, group, window, with_sinks):
+    """Every backend against the oracle on a mixed batch (decode rows and multi-row prefill
+    segments) whose views hold invisible slots in the middle: dropped messages, single
+    dropped entries and page padding. A sink is a softmax term, not an entry: it takes no
+    room in the window and is there whatever was dropped."""
+    case = cases.mixed_case(np.random.default_rng(page_size * 100 + window), num_segments=7,
+                            page_size=page_size, block_q=8)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(4), num_kv_heads=2, group=group, head_dim=16
+    )
+    sinks = jnp.linspace(-1.0, 2.0, 2 * group) if with_sinks else None
+    got = _attend(backend, q, k, v, batch, block_q=case.block_q, sm_scale=0.25, sinks=sinks,
+                  window=window)
+    want = dense_oracle(q, k, v, case.specs, page_size, 0.25, sinks=sinks, window=window)
+    _assert_close(got, want, jnp.float32)
+
+
+def test_window_without_invisible_slots_is_transformers_rule():
+    """With every entry visible the window is transformers' ``q - W < k <= q`` in view
+    slots (the rule before drops existed): the window starts and the reference agree."""
+    ps, window = 8, 11
+    rng = np.random.default_rng(6)
+    specs = [  # a prefill after a cached prefix, a decode row, a segment from slot 0
+        SegmentSpec(q_start=0, q_len=13, pages=[3, 4, 5, 6], kv_visible=np.ones(30, bool),
+                    causal_pos=17),
+        SegmentSpec(q_start=13, q_len=1, pages=[0, 1, 2], kv_visible=np.ones(21, bool),
+                    causal_pos=20),
+        SegmentSpec(q_start=14, q_len=9, pages=[7, 8], kv_visible=np.ones(9, bool),
+                    causal_pos=0),
+    ]
+    case = cases.Case(specs, 24, 10, ps, block_q=4)
+    batch = case.batch()
+    blocks = plan_lib.blocks_of(batch)
+    starts = np.asarray(plan_lib.row_window_starts(batch, blocks, 4, window))
+    pos = np.asarray(blocks.kv_pos)[:, None] + np.arange(4)[None, :]
+    real = np.asarray(blocks.q_len)[:, None] > np.arange(4)[None, :]
+    np.testing.assert_array_equal(starts[real], np.maximum(pos - window + 1, 0)[real])
+
+    q, k, v, _ = cases.materialize(case, rng, num_kv_heads=1, group=2, head_dim=8)
+    got = segment_attention_reference(q, k, v, batch, block_q=4, sm_scale=0.5,
+                                      sliding_window=window)
+    # The slot rule, written as transformers' mask over each view.
+    kk, vv, qq = (np.asarray(x, np.float64) for x in (k, v, q))
+    want = np.zeros_like(qq)
+    for spec in specs:
+        keys = kk[spec.pages].reshape(-1, 1, 8)[: len(spec.kv_visible)]
+        vals = vv[spec.pages].reshape(-1, 1, 8)[: len(spec.kv_visible)]
+        for i in range(spec.q_len):
+            c = spec.causal_pos + i
+            j = np.arange(len(spec.kv_visible))
+            sel = (c - window < j) & (j <= c)
+            for h in range(2):
+                logit = keys[sel, 0] @ qq[spec.q_start + i, h] * 0.5
+                e = np.exp(logit - logit.max())
+                want[spec.q_start + i, h] = e @ vals[sel, 0] / e.sum()
+    _assert_close(got, want, jnp.float32)
+
+
 # ------------------------------------------------------------------------------ dispatch
 
 
@@ -289,6 +395,22 @@ def test_every_backend_reads_one_layer_of_a_stacked_pool():
     for backend, platform in (("reference", None), ("auto", "cpu"), ("pallas", None)):
         fn = make_attention_fn(backend, block_q=case.block_q, sm_scale=0.25, platform=platform)
         _assert_close(fn(q, k_all, v_all, batch, layer=jnp.int32(1)), ref, jnp.float32)
+
+
+def test_every_backend_takes_sinks_per_call():
+    """Sinks come with each call (a per-layer parameter) and the window is static: the
+    dispatcher's functions, on a stacked pool, against the oracle."""
+    case = make("restore", page_size=16)
+    rng = np.random.default_rng(10)
+    q, k, v, batch = cases.materialize(case, rng, num_kv_heads=2, group=3, head_dim=16)
+    k_all, v_all = jnp.stack([v, k]), jnp.stack([k, v])
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0, 1.5, -0.5])
+    want = dense_oracle(q, k, v, case.specs, 16, 0.25, sinks=sinks, window=9)
+    for backend, platform in (("reference", None), ("auto", "cpu"), ("pallas", None)):
+        fn = make_attention_fn(backend, block_q=case.block_q, sm_scale=0.25, platform=platform,
+                               sliding_window=9)
+        got = fn(q, k_all, v_all, batch, layer=jnp.int32(1), sinks=sinks)
+        _assert_close(got, want, jnp.float32)
 
 
 # --------------------------------------------------------------------------------- model

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from akv_jax.pallas.metadata import NEG_INF, SegmentBatch
-from akv_jax.pallas.plan import blocks_of, plan_pages
+from akv_jax.pallas.plan import blocks_of, plan_pages, row_window_starts
 
 # Keys per loop step. Each step costs a fixed overhead on the CPU; 512 keys keep it small next
 # to the work (measured: cold 20K-token prefills ~1.4x faster than with 128), at the price of
@@ -51,6 +51,8 @@ def segment_attention_chunked(
     C = pages_per_chunk or _default_pages_per_chunk(ps)
     blocks = blocks_of(batch)
     plan = plan_pages(batch, blocks, page_size=ps, sliding_window=sliding_window)
+    if sliding_window is not None:  # [NB, block_q] smallest view index each row may see
+        win = row_window_starts(batch, blocks, block_q, sliding_window)
     # One spare chunk of padding so a chunk starting anywhere below ``hi`` never runs past the
     # end (dynamic_slice would clamp the start and shift the window).
     pages = jnp.concatenate([plan.pages, jnp.repeat(plan.pages[:, -1:], C, axis=1)], axis=1)
@@ -80,8 +82,8 @@ def segment_attention_chunked(
             v = _pages(v_pages, layer, pg).reshape(C * ps, Hkv, Dh).astype(jnp.float32)
             v = jnp.where(ok[:, None, None], v, 0.0)  # masked slots may hold NaN
             mask = ok[None, :] & (sp[None, :] <= causal[:, None]) & row_ok[:, None]
-            if sliding_window is not None:
-                mask &= sp[None, :] > causal[:, None] - sliding_window
+            if sliding_window is not None:  # the window counts visible slots (plan.py)
+                mask &= sp[None, :] >= win[b][:, None]
             s = jnp.einsum("qhgd,khd->hgqk", qb, k)
             s = jnp.where(mask[None, None], s, NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=-1))

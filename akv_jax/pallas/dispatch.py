@@ -9,9 +9,10 @@
   the reference's semantics, reading only visible pages); the reference for a shape a kernel
   body cannot take (e.g. a page size that is not a power of two on the GPU).
 
-The returned callables: ``attention(q, k_pages, v_pages, batch, layer=None)``
+The returned callables: ``attention(q, k_pages, v_pages, batch, layer=None, sinks=None)``
 (:data:`~akv_jax.pallas.metadata.AttentionFn`; ``layer`` given: the pools hold every layer,
-[L, P, ps, Hkv, Dh]), which :func:`akv_jax.model.forward.forward` calls, and
+[L, P, ps, Hkv, Dh]; ``sinks``: [Hq] sink logits), which
+:func:`akv_jax.model.forward.forward` calls, and
 ``repos(k_pages, pages, old_pos, new_pos, table)``, which the server's re-rotated copies use
 (:mod:`akv_jax.serving.device_group`). This is the one factory of each: every path that
 attends or re-rotates (model, cache ops, server, benchmarks) gets its function here.
@@ -64,7 +65,8 @@ def make_attention_fn(
     """Segment-batch attention for ``backend`` (see the module docstring):
     ``attention(q, k_pages, v_pages, batch, layer=None, sinks=None)``.
 
-    ``sliding_window`` is static (one function per layer type); ``sinks`` ([Hq] per-head
+    ``sliding_window`` is static (one function per layer type) and counts visible entries
+    (DESIGN §2.1; see :func:`akv_jax.pallas.plan.window_start`); ``sinks`` ([Hq] per-head
     sink logits, GPT-OSS) are a per-layer parameter, so they come with each call.
     ``kernel_options`` go to the kernel body (e.g. ``kv_splits``, ``num_warps`` on the GPU,
     ``vmem_limit_bytes`` on the TPU) and are ignored by the reference.

@@ -7,7 +7,11 @@ A *segment batch* is a ragged set of query segments. Each segment has
   per-slot visibility flag (dropped tokens, tokens of another position version, and padding
   are invisible),
 * a causal anchor: query row ``i`` of the segment sits at view index ``causal_pos + i`` and
-  sees only view indices ``<= causal_pos + i``.
+  sees only view indices ``<= causal_pos + i``. Under a sliding window of ``W`` it sees the
+  ``W`` most recent *visible* slots among those (DESIGN §2.1: invisible slots take no room in
+  the window, so it reaches past a dropped span); the attention paths derive that from
+  ``kv_visible`` themselves (:func:`akv_jax.pallas.plan.window_start`), so the metadata
+  carries no window field.
 
 Decode (one query token per request), prefill (a new segment after cached ones) and one-pass
 restore (many segments, each over the position version it originally saw) are all segment
@@ -59,8 +63,9 @@ class SegmentBatch:
         return self.page_table.shape[1]
 
 
-# attention(q [T,Hq,Dh], k_pages, v_pages, batch, layer=None) -> [T,Hq,Dh]: k/v_pages are one
-# layer's pool [P, ps, Hkv, Dh], or every layer's [L, P, ps, Hkv, Dh] with ``layer`` picking one.
+# attention(q [T,Hq,Dh], k_pages, v_pages, batch, layer=None, sinks=None) -> [T,Hq,Dh]: k/v_pages
+# are one layer's pool [P, ps, Hkv, Dh], or every layer's [L, P, ps, Hkv, Dh] with ``layer``
+# picking one; ``sinks`` [Hq] per-head sink logits (an extra softmax term with no value).
 # akv_jax.pallas.dispatch.make_attention_fn makes them; akv_jax.model.forward calls them.
 AttentionFn = Callable[..., jax.Array]
 

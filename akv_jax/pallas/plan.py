@@ -9,6 +9,13 @@ The kernels never look at invisible pages. This module turns a :class:`SegmentBa
   pages past the block's last causal row, and pages wholly before its sliding window, are cut
   off as well.
 
+A sliding window of ``W`` counts *visible* slots (DESIGN §2.1): a query row at view index
+``c`` sees the ``W`` most recent visible slots at or before ``c``, itself included. Invisible
+slots (dropped entries, other position versions, page padding) take no room in it, so after a
+drop a window reaches further back; with every slot visible it is ``c - W < j <= c``.
+:func:`window_start` turns that into a view index per row (the smallest slot the row may see),
+so kernels keep comparing view indices and pages wholly before it are skipped like dropped ones.
+
 A kernel then loops exactly ``hi - lo`` pages, so dropped KV costs neither bandwidth nor a loop
 iteration. Everything is plain ``jnp`` on ``[S, MP]``-sized arrays, cheap next to attention
 itself, and computed inside the same jit as the kernel (so callers can keep building segment
@@ -83,6 +90,46 @@ def split_blocks(blocks: Blocks, block_q: int, sub_q: int) -> Blocks:
     )
 
 
+def visible_slots(batch: SegmentBatch) -> jax.Array:
+    """[S, MP * page_size] bool: the slots a segment may attend (visible and within kv_len)."""
+    slot = jnp.arange(batch.kv_visible.shape[1], dtype=jnp.int32)
+    return batch.kv_visible & (slot[None, :] < batch.kv_len[:, None])
+
+
+def window_start(
+    batch: SegmentBatch, seg: jax.Array, pos: jax.Array, sliding_window: int
+) -> jax.Array:
+    """Smallest view index a query at view index ``pos`` of segment ``seg`` may attend.
+
+    The row sees the ``sliding_window`` most recent *visible* slots at or before ``pos``
+    (itself included when visible): the visible slots ``j`` in ``[start, pos]``. ``seg`` and
+    ``pos`` are int arrays of one shape (``seg`` < 0, padding, reads segment 0); so is the
+    result. With every slot visible, ``start = max(pos - sliding_window + 1, 0)``.
+    """
+    if sliding_window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {sliding_window}")
+    S, N = batch.kv_visible.shape
+    # rank[s, j]: visible slots of segment s in [0, j].
+    rank = jnp.cumsum(visible_slots(batch), axis=1, dtype=jnp.int32)  # [S, N]
+    seg = jnp.clip(seg, 0, S - 1).astype(jnp.int32)
+    need = rank[seg, jnp.clip(pos, 0, N - 1)] - sliding_window + 1  # rank of the oldest seen
+    # The first slot of rank >= need: one search over every segment's ranks laid end to end,
+    # each offset past the previous one (segment s holds s * (N + 1) + rank), so one sorted
+    # array serves every row without a per-block copy of its segment's ranks.
+    flat = (rank + (jnp.arange(S, dtype=jnp.int32) * (N + 1))[:, None]).reshape(-1)
+    found = jnp.searchsorted(flat, seg * (N + 1) + need, side="left").astype(jnp.int32)
+    return jnp.where(need <= 1, 0, found - seg * N).astype(jnp.int32)
+
+
+def row_window_starts(
+    batch: SegmentBatch, blocks: Blocks, rows: int, sliding_window: int
+) -> jax.Array:
+    """[NB, rows] :func:`window_start` of each row of each block (``rows`` per block)."""
+    pos = blocks.kv_pos[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]
+    seg = jnp.broadcast_to(blocks.seg[:, None], pos.shape)
+    return window_start(batch, seg, pos, sliding_window)
+
+
 def plan_pages(
     batch: SegmentBatch,
     blocks: Blocks,
@@ -98,8 +145,7 @@ def plan_pages(
     """
     S, MP = batch.page_table.shape
     ps = page_size
-    slot = jnp.arange(MP * ps, dtype=jnp.int32)
-    slot_ok = batch.kv_visible & (slot[None, :] < batch.kv_len[:, None])  # [S, MP*ps]
+    slot_ok = visible_slots(batch)  # [S, MP*ps]
     page_start = jnp.arange(MP, dtype=jnp.int32) * ps
     # The contract: page_visible marks pages holding a visible slot; the rest are skipped.
     page_ok = batch.page_visible & (page_start[None, :] < batch.kv_len[:, None])  # [S, MP]
@@ -126,13 +172,14 @@ def plan_pages(
     real = blocks.seg >= 0
     seg = jnp.maximum(blocks.seg, 0)
     bpage = page_ok[seg]  # [NB, MP]
-    first = blocks.kv_pos
     last_row = blocks.kv_pos + blocks.q_len - 1
     # Compacted pages are in view order, so "pages up to the last causal row" is a prefix.
     hi = jnp.sum(bpage & (page_start[None, :] <= last_row[:, None]), axis=1)
     if sliding_window is not None:
-        # Pages whose last slot is outside even the first row's window are a prefix too.
-        gone = page_start[None, :] + (ps - 1) <= (first - sliding_window)[:, None]
+        # Pages whose last slot is before even the first row's window start are a prefix too
+        # (later rows' windows start no earlier).
+        first = window_start(batch, blocks.seg, blocks.kv_pos, sliding_window)
+        gone = page_start[None, :] + (ps - 1) < first[:, None]
         lo = jnp.sum(bpage & gone, axis=1)
     else:
         lo = jnp.zeros_like(hi)

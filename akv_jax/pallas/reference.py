@@ -35,7 +35,10 @@ def segment_attention_reference(
       block_q: rows per query block (static; the metadata was built with it).
       sm_scale: softmax scale.
       sinks: optional [Hq] per-head sink logits (GPT-OSS): an extra softmax term with no value.
-      sliding_window: optional window in view slots: row at view index c sees slots > c - w.
+      sliding_window: optional window W counted in *visible* slots (DESIGN §2.1): the row at
+        view index c sees the W most recent visible slots at or before c, itself included
+        (invisible slots take no room, so after a drop the window reaches further back; with
+        every slot visible this is c - W < j <= c).
       layer: when given, k_pages/v_pages hold every layer [L, P, ...] and this one is used.
 
     Returns:
@@ -64,7 +67,11 @@ def segment_attention_reference(
         mask = visible[None, :] & (kv_idx[None, :] <= causal_idx[:, None])
         mask &= (rows < q_len)[:, None]
         if sliding_window is not None:
-            mask &= kv_idx[None, :] > causal_idx[:, None] - sliding_window
+            # rank[j]: visible slots in [0, j]. Slot j is among the W most recent visible slots
+            # at or before c iff rank[c] - rank[j] < W.
+            rank = jnp.cumsum(visible, dtype=jnp.int32)
+            rank_c = rank[jnp.clip(causal_idx, 0, MP * page_size - 1)]
+            mask &= rank[None, :] > rank_c[:, None] - sliding_window
         # Invisible slots may hold anything (NaN included): never let them reach the sums.
         v = jnp.where(visible[:, None, None], v, 0.0)
         s = jnp.einsum("qhgd,khd->hgqk", qb, k) * sm_scale

@@ -4,7 +4,9 @@ Grid ``(query block, kv head, kv split)``. A program holds one kv head's query t
 query rows times the (padded) GQA group, so every query head that shares the kv head reads
 each key once. It walks the block's range of *visible* pages (see :mod:`plan`), a few pages
 per step, with an online softmax in registers; pages no query of the segment can see were
-compacted away beforehand and are never touched.
+compacted away beforehand and are never touched. Under a sliding window each tile row also
+gets the smallest view index it may see (:func:`plan.window_start`: the window counts visible
+slots), and pages wholly before the block's window are cut from its range like dropped ones.
 
 Triton wants power-of-two tensor sizes and dot operands of at least 16: the GQA group and the
 head dim are padded to powers of two (padded q lanes are zero; k/v are read through a block
@@ -42,16 +44,7 @@ def _pow2(n: int) -> int:
 
 
 def _gpu_kernel(
-    meta_ref,  # [4] int32: segment, view index of row 0, first and end compacted page
-    pages_ref,  # [S, MPp] int32 compacted visible pages
-    slot_ref,  # [S, MPp, ps] int32 view index per slot, -1 = masked
-    q_ref,  # [M, Dp]
-    k_ref,  # [P, ps, Dp] this kv head's keys (lanes >= Dh are masked loads)
-    v_ref,  # [P, ps, Dp]
-    acc_ref,  # [M, Dp] float32 unnormalised output
-    m_ref,  # [M] float32 running max
-    l_ref,  # [M] float32 running sum
-    *,
+    *refs,
     sm_scale: float,
     head_dim: int,
     group_pad: int,
@@ -59,6 +52,21 @@ def _gpu_kernel(
     kv_splits: int,
     sliding_window: int | None,
 ):
+    # meta_ref   [4] int32: segment, view index of row 0, first and end compacted page
+    # pages_ref  [S, MPp] int32 compacted visible pages
+    # slot_ref   [S, MPp, ps] int32 view index per slot, -1 = masked
+    # win_ref    [M] int32 smallest view index each tile row may see (sliding window only)
+    # q_ref      [M, Dp]
+    # k_ref      [P, ps, Dp] this kv head's keys (lanes >= Dh are masked loads)
+    # v_ref      [P, ps, Dp]
+    # acc_ref    [M, Dp] float32 unnormalised output
+    # m_ref      [M] float32 running max
+    # l_ref      [M] float32 running sum
+    if sliding_window is None:
+        meta_ref, pages_ref, slot_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref = refs
+        win_ref = None
+    else:
+        meta_ref, pages_ref, slot_ref, win_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref = refs
     M, Dp = q_ref.shape
     ps = k_ref.shape[1]
     bk = pages_per_step * ps
@@ -71,6 +79,8 @@ def _gpu_kernel(
 
     q = q_ref[...]
     row_pos = kv_pos + jax.lax.broadcasted_iota(jnp.int32, (M, 1), 0) // group_pad
+    if win_ref is not None:
+        row_lo = win_ref[...][:, None]  # [M, 1]
 
     def body(i, carry):
         acc, m, lsum = carry
@@ -90,8 +100,8 @@ def _gpu_kernel(
             k = jnp.where(lane < head_dim, k, jnp.zeros_like(k))
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale
         mask = (pos >= 0) & (pos <= row_pos)
-        if sliding_window is not None:
-            mask &= pos > row_pos - sliding_window
+        if win_ref is not None:  # the window counts visible slots (see plan.window_start)
+            mask &= pos >= row_lo
         s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
@@ -193,6 +203,20 @@ def segment_attention_gpu(
         q, blocks, rows=rows, num_kv_heads=Hkv, group_pad=gp, head_dim_pad=dp, tile_rows=M
     )
 
+    whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s: (0,) * a.ndim)
+    kv_spec = pl.BlockSpec((P, ps, None, dp), lambda b, h, s: (0, 0, h, 0))
+    in_specs = [
+        pl.BlockSpec((None, 4), lambda b, h, s: (b, 0)),
+        whole(plan.pages),
+        whole(plan.slot_pos),
+    ]
+    operands = [meta, plan.pages, plan.slot_pos]
+    if sliding_window is not None:
+        # Tile row i * gp + g holds query row i (padding rows repeat the last one).
+        win = plan_lib.row_window_starts(batch, blocks, rows, sliding_window)
+        win = win[:, jnp.minimum(jnp.arange(M) // gp, rows - 1)]  # [NB, M]
+        in_specs.append(pl.BlockSpec((None, M), lambda b, h, s: (b, 0)))
+        operands.append(win)
     kernel = functools.partial(
         _gpu_kernel,
         sm_scale=sm_scale,
@@ -202,15 +226,11 @@ def segment_attention_gpu(
         kv_splits=splits,
         sliding_window=sliding_window,
     )
-    whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s: (0,) * a.ndim)
-    kv_spec = pl.BlockSpec((P, ps, None, dp), lambda b, h, s: (0, 0, h, 0))
     acc, m, lsum = pl.pallas_call(
         kernel,
         grid=(NB, Hkv, splits),
         in_specs=[
-            pl.BlockSpec((None, 4), lambda b, h, s: (b, 0)),
-            whole(plan.pages),
-            whole(plan.slot_pos),
+            *in_specs,
             pl.BlockSpec((None, None, M, dp), lambda b, h, s: (b, h, 0, 0)),
             kv_spec,
             kv_spec,
@@ -228,7 +248,7 @@ def segment_attention_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="akv_segment_attention",
-    )(meta, plan.pages, plan.slot_pos, q_tiles, k_pages, v_pages)
+    )(*operands, q_tiles, k_pages, v_pages)
 
     sink_rows = None
     if sinks is not None:

@@ -15,8 +15,11 @@ tile (the block's rows times its GQA group; blocks are cut so a tile stays withi
 ``max_tile_rows``) is scored against its lane slice. The online
 softmax state lives in VMEM scratch across the steps of a block; the output block is written
 on the block's last step. A block with no visible page still gets one (fully masked) step, so
-its output is written (as zeros). Attention sinks start the running max/sum (an extra softmax
-term with no value), so nothing is left to merge outside the kernel.
+its output is written (as zeros). Under a sliding window each tile row also gets the smallest
+view index it may see (a per-block ``[M, 1]`` input; :func:`plan.window_start`: the window
+counts visible slots), and pages wholly before the block's window are not in its work list.
+Attention sinks start the running max/sum (an extra softmax term with no value), so nothing is
+left to merge outside the kernel.
 
 Pages of 64-128 tokens amortise the per-step cost. The work list is sized for the worst case
 (blocks x pages words of SMEM); batches past :data:`SMEM_BUDGET` are refused with a message,
@@ -43,29 +46,36 @@ SMEM_BUDGET = 768 << 10
 
 
 def _tpu_kernel(
-    # scalar prefetch (SMEM)
-    work_ref,  # [W] int32 block << 16 | compacted page index
-    blk_ref,  # [NB * 4] int32 segment, kv_pos, lo, hi
-    pages_ref,  # [S * MPp] int32 (used by the index maps only)
-    # inputs (VMEM blocks)
-    row_off_ref,  # [M, 1] int32 query row of each tile row
-    sinks_ref,  # [Hkv, M, 128] float32 initial running max (sink logit or NEG_INF)
-    q_ref,  # [Hkv, M, Dh]
-    k_ref,  # [ps, Hkv, Dh] the step's page, all kv heads
-    v_ref,  # [ps, Hkv, Dh]
-    pos_ref,  # [8, ps] int32 view index per slot (-1 = masked) of 8 consecutive pages
-    # output
-    o_ref,  # [Hkv, M, Dh]
-    # scratch
-    m_ref,  # [Hkv, M, 128] float32, lane-replicated
-    l_ref,  # [Hkv, M, 128] float32
-    acc_ref,  # [Hkv, M, Dh] float32
-    *,
+    *refs,
     sm_scale: float,
     sliding_window: int | None,
     has_sinks: bool,
 ):
-    del pages_ref
+    # scalar prefetch (SMEM)
+    #   work_ref     [W] int32 block << 16 | compacted page index
+    #   blk_ref      [NB * 4] int32 segment, kv_pos, lo, hi
+    #   pages_ref    [S * MPp] int32 (used by the index maps only)
+    # inputs (VMEM blocks)
+    #   row_off_ref  [M, 1] int32 query row of each tile row
+    #   win_ref      [M, 1] int32 smallest view index each tile row may see (window only)
+    #   sinks_ref    [Hkv, M, 128] float32 initial running max (sink logit or NEG_INF)
+    #   q_ref        [Hkv, M, Dh]
+    #   k_ref        [ps, Hkv, Dh] the step's page, all kv heads
+    #   v_ref        [ps, Hkv, Dh]
+    #   pos_ref      [8, ps] int32 view index per slot (-1 = masked) of 8 consecutive pages
+    # output
+    #   o_ref        [Hkv, M, Dh]
+    # scratch
+    #   m_ref        [Hkv, M, 128] float32, lane-replicated
+    #   l_ref        [Hkv, M, 128] float32
+    #   acc_ref      [Hkv, M, Dh] float32
+    if sliding_window is None:
+        (work_ref, blk_ref, _, row_off_ref, sinks_ref, q_ref, k_ref, v_ref, pos_ref, o_ref,
+         m_ref, l_ref, acc_ref) = refs
+        win_ref = None
+    else:
+        (work_ref, blk_ref, _, row_off_ref, win_ref, sinks_ref, q_ref, k_ref, v_ref, pos_ref,
+         o_ref, m_ref, l_ref, acc_ref) = refs
     hkv, M, _ = q_ref.shape
     w = work_ref[pl.program_id(0)]
     b, i = w >> 16, w & 0xFFFF
@@ -86,8 +96,8 @@ def _tpu_kernel(
         sub = jax.lax.broadcasted_iota(jnp.int32, pos_ref.shape, 0)
         pos = jnp.sum(jnp.where(sub == (i & 7), pos_ref[...], 0), axis=0, keepdims=True)  # [1, ps]
         mask = (pos >= 0) & (pos <= row_pos)
-        if sliding_window is not None:
-            mask &= pos > row_pos - sliding_window
+        if win_ref is not None:  # the window counts visible slots (see plan.window_start)
+            mask &= pos >= win_ref[...]
         # The same visibility as a column (to zero invisible values): transpose through the
         # diagonal, which needs no relayout.
         eye = jax.lax.broadcasted_iota(jnp.int32, (ps, ps), 0) == jax.lax.broadcasted_iota(
@@ -223,6 +233,14 @@ def segment_attention_tpu(
     def slot_map(w, work_ref, blk_ref, pages_ref):
         return decode(w, work_ref, blk_ref)[1] >> 3, 0, 0  # shifts: no sign fix-ups
 
+    extra_specs, extra = [], []
+    if sliding_window is not None:
+        win = plan_lib.row_window_starts(batch, blocks, rows, sliding_window)
+        extra.append(win[:, row_off[:, 0]][:, :, None])  # [NB, M, 1]
+        extra_specs.append(
+            pl.BlockSpec((None, M, 1), lambda *a: q_map(*a)[:3])
+        )
+
     if vmem_limit_bytes is None:
         item = q.dtype.itemsize
         need = (
@@ -230,7 +248,7 @@ def segment_attention_tpu(
             + 2 * Hkv * M * _LANES * 4  # sinks (double-buffered)
             + 2 * 2 * Hkv * M * Dh * item  # q and out blocks
             + 2 * 2 * ps * Hkv * Dh * k_pages.dtype.itemsize  # k and v pages
-            + 2 * (8 * ps + M * _LANES) * 4  # slot positions, row offsets
+            + 2 * (8 * ps + 2 * M * _LANES) * 4  # slot positions, row offsets, window
         )
         # Above the 16 MiB default scoped limit, ask for what is needed (with slack).
         vmem_limit_bytes = None if need < 12 << 20 else min(int(need * 1.5), 100 << 20)
@@ -249,6 +267,7 @@ def segment_attention_tpu(
             grid=(count,),
             in_specs=[
                 pl.BlockSpec((M, 1), const(2)),
+                *extra_specs,
                 pl.BlockSpec((Hkv, M, _LANES), const(3)),
                 pl.BlockSpec((None, Hkv, M, Dh), q_map),
                 kv_spec,
@@ -268,7 +287,10 @@ def segment_attention_tpu(
         ),
         interpret=interpret,
         name="akv_segment_attention",
-    )(work, blk.reshape(-1), pages_flat, row_off, sink_rows, q_tiles, k_pages, v_pages, pos_groups)
+    )(
+        work, blk.reshape(-1), pages_flat, row_off, *extra, sink_rows, q_tiles, k_pages, v_pages,
+        pos_groups,
+    )
     return plan_lib.scatter_out_tiles(
         out, blocks, rows=rows, group_pad=G, num_q_heads=Hq, head_dim=Dh, T=T, dtype=q.dtype
     )
