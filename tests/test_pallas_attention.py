@@ -311,6 +311,44 @@ def test_window_counts_visible_entries(backend, page_size, group, window, with_s
     _assert_close(got, want, jnp.float32)
 
 
+def test_window_starts_match_numpy():
+    """plan.window_start on random mixed batches: the view index of the W-th most recent
+    visible slot at or before each row (0 when no more than W are visible: nothing to cut),
+    for every real row."""
+    for seed in range(3):
+        case = cases.mixed_case(np.random.default_rng(seed), num_segments=9, page_size=4,
+                                block_q=4)
+        batch = case.batch()
+        blocks = plan_lib.blocks_of(batch)
+        for window in (1, 3, 17):
+            got = np.asarray(plan_lib.row_window_starts(batch, blocks, 4, window))
+            b = 0
+            for spec in case.specs:
+                for i in range(spec.q_len):
+                    idx = np.flatnonzero(spec.kv_visible[: spec.causal_pos + i + 1])
+                    want = idx[-window] if len(idx) > window else 0
+                    assert got[b + i // 4, i % 4] == want, (seed, window, spec, i)
+                b += -(-spec.q_len // 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+def test_window_counts_visible_entries_sweep(backend):
+    """More random batches and windows than CI runs (-m slow)."""
+    for seed in range(4):
+        for window in (2, 5, 40):
+            case = cases.mixed_case(np.random.default_rng(1000 + seed), num_segments=12,
+                                    page_size=8, block_q=16, max_rows=40)
+            q, k, v, batch = cases.materialize(
+                case, np.random.default_rng(seed), num_kv_heads=2, group=2, head_dim=16
+            )
+            sinks = jnp.asarray([0.3, -0.7, 1.1, 0.0])
+            got = _attend(backend, q, k, v, batch, block_q=16, sm_scale=0.25, sinks=sinks,
+                          window=window)
+            want = dense_oracle(q, k, v, case.specs, 8, 0.25, sinks=sinks, window=window)
+            _assert_close(got, want, jnp.float32)
+
+
 def test_window_without_invisible_slots_is_transformers_rule():
     """With every entry visible the window is transformers' ``q - W < k <= q`` in view
     slots (the rule before drops existed): the window starts and the reference agree."""
