@@ -210,6 +210,11 @@ def test_chat_parse():
         (chat_body(response_format={"type": "json_object"}), "response_format",
          "only {'type': 'text'}"),
         (chat_body(tools=["x"]), "tools[0]", "should be an object, got 'x'"),
+        (chat_body(reasoning_effort="max"), "reasoning_effort", "'low', 'medium' or 'high'"),
+        (chat_body(chat_template_kwargs=[1]), "chat_template_kwargs",
+         "should be an object, got [1]"),
+        (chat_body(chat_template_kwargs={"messages": []}), "chat_template_kwargs",
+         "messages is set by the server"),
     ],
 )
 def test_chat_rejections(body, field, words):
@@ -217,6 +222,19 @@ def test_chat_rejections(body, field, words):
     assert err.field == field
     assert words in err.message
     assert not isinstance(err, CacheOpError)  # the cache is checked once segments are known
+
+
+def test_chat_template_variables_pass_through():
+    """chat_template_kwargs reach the template, with the request's own tools and
+    reasoning_effort beside them (those win: they are the request's named fields)."""
+    inp = protocol.parse_chat(
+        chat_body(chat_template_kwargs={"enable_thinking": False, "reasoning_effort": "low"},
+                  reasoning_effort="high", tools=[{"type": "function"}]),
+        LIMITS, VOCAB,
+    )
+    assert inp.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high",
+                                   "tools": [{"type": "function"}]}
+    assert protocol.parse_chat(chat_body(), LIMITS, VOCAB).template_kwargs == {}
 
 
 def test_chat_history_indices_are_message_indices():

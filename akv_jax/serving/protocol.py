@@ -175,8 +175,19 @@ def parse_chat(body: Any, limits: Limits, vocab_size: int | None) -> ChatInput:
         stream=bool(b.stream),
         include_usage=bool(b.stream_options and b.stream_options.include_usage),
         logprobs=bool(b.logprobs),
-        template_kwargs={} if b.tools is None else {"tools": b.tools},
+        template_kwargs=_template_kwargs(b),
     )
+
+
+def _template_kwargs(b: ChatBody) -> dict[str, Any]:
+    """Variables for the chat template beside the messages: chat_template_kwargs, then the
+    request's own fields (tools, reasoning_effort) where given."""
+    out = dict(b.chat_template_kwargs or {})
+    if b.tools is not None:
+        out["tools"] = b.tools
+    if b.reasoning_effort is not None:
+        out["reasoning_effort"] = b.reasoning_effort
+    return out
 
 
 def chat_history(cache: Any, num_messages: int, num_segments: int) -> OpHistory:

@@ -55,6 +55,9 @@ __all__ = [
 ]
 
 INT64_MAX = 2**63 - 1
+# What the server itself passes to a chat template (chat_template_kwargs may not set them).
+TEMPLATE_INPUTS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token",
+                             "eos_token", "raise_exception"})
 
 # --------------------------------------------------------------------------- errors
 
@@ -358,6 +361,22 @@ class ChatBody(SamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
     tools: list[dict[str, Any]] | None = None  # passed to the chat template
+    # GPT-OSS's harmony template reads it; other templates ignore it.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # Extra variables for the chat template (as vLLM and SGLang take them), e.g.
+    # {"enable_thinking": false} for Qwen3; they cannot replace the template's own inputs.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_template_inputs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for k in v or {}:
+            if k in TEMPLATE_INPUTS:
+                raise PydanticCustomError(
+                    "reserved", "{key} is set by the server, not by chat_template_kwargs",
+                    {"key": k},
+                )
+        return v
     # Options that change the output in ways the engine cannot do: refused unless default.
     n: Annotated[Int, _only(1)] | None = None
     top_logprobs: Annotated[_int(ge=0), _only(0)] | None = None
