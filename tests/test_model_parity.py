@@ -25,8 +25,14 @@ from converters.loading import load_model
 #   tiny_qwen3 max |diff| 0.034 (logit std 0.70), tiny_llama 0.079 (std 0.84); argmax agreement
 #   98.8% / 96.9% of positions.  SmolLM2 (30 layers, logits up to ~41): max |diff| over the
 #   golden top-8 entries 1.04, median 0.10; top-1 agreement 96.6-100% per chat.
+#   tiny_gpt_oss max |diff| 0.34 (std 0.64), but the 90th percentile of the per-position max
+#   is 0.021 (median 0.016): the tail is the few tokens whose top-2 router logits nearly tie,
+#   so bf16 rounding picks another expert (a discrete jump; transformers in bf16 does the same
+#   against its own float32); argmax agreement 98.8%.
 # Bounds are ~2x / ~1.5x the measured maxima, and agreement a few points under the minimum.
-BF16_TINY_ATOL = 0.15
+BF16_TINY_ATOL = {"tiny_qwen3": 0.15, "tiny_llama": 0.15, "tiny_gpt_oss": 0.7}
+# 90th percentile of the per-position max |diff|: the bulk, with routing flips left out.
+BF16_TINY_P90 = 0.05
 BF16_SMOLLM2_ATOL = 1.5
 BF16_MIN_ARGMAX_AGREEMENT = 0.93
 
@@ -75,7 +81,9 @@ def test_tiny_bfloat16_within_measured_tolerance(name):
     assert m.params.embed.dtype == np.dtype("bfloat16")
     g = tiny_golden(name)
     logits, _ = greedy_generate(m.params, m.cfg, g["prompt"].tolist(), 1)
-    assert np.abs(logits - g["logits"]).max() <= BF16_TINY_ATOL
+    diff = np.abs(logits - g["logits"])
+    assert diff.max() <= BF16_TINY_ATOL[name]
+    assert np.percentile(diff.max(-1), 90) <= BF16_TINY_P90
     agree = (logits.argmax(-1) == g["logits"].argmax(-1)).mean()
     assert agree >= BF16_MIN_ARGMAX_AGREEMENT
 
