@@ -111,6 +111,15 @@ def test_repos_is_exact_under_yarn():
     np.testing.assert_allclose(moved, rope_scaled(k, new, rope, s), atol=3e-6)
 
 
+def test_fixture_engine_reference_backend_matches_golden():
+    """The serving engine with the jnp reference attention (the CPU run of the other test
+    files uses the chunked path) reproduces transformers' 16 greedy tokens."""
+    m = load_model(tiny_dir("tiny_gpt_oss"))
+    g = tiny_golden("tiny_gpt_oss")
+    out = engine_greedy(m, [g["prompt"].tolist()], 16, attention_backend="reference")
+    assert out == [g["continuation"].tolist()]
+
+
 def _engine_vs_causal(m, prompt: list[int], n: int) -> np.ndarray:
     """How far below the causal path's max logit each engine token is, along the engine's
     own continuation (0 where the engine picked the causal argmax)."""

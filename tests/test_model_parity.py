@@ -48,9 +48,15 @@ def test_tiny_float32_logits_and_greedy(name):
     assert cont == g["continuation"].tolist()
 
 
-def engine_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+def engine_greedy(
+    model, prompts: list[list[int]], n: int, attention_backend: str = "auto"
+) -> list[list[int]]:
     """Greedy tokens of the serving engine for ``prompts`` sent at once (decoded together)."""
-    engine = Engine(model, max_total_tokens=sum(len(p) + n for p in prompts) + 256)
+    engine = Engine(
+        model,
+        max_total_tokens=sum(len(p) + n for p in prompts) + 256,
+        attention_backend=attention_backend,
+    )
     sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(GenerateRequest(str(i), [p], parse_history(None, 1), sp))
