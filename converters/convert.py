@@ -37,7 +37,7 @@ def plan(source: Source) -> dict[str, Target]:
                 f"shape mismatch for {name}: checkpoint has {shape}, config implies {tgt.hf_shape}"
             )
         targets[name] = tgt
-        seen.add((tgt.path, tgt.layer))
+        seen.update((path, tgt.layer) for path, _ in tgt.outputs())
     for path in _abstract_paths(cfg):
         layers = range(cfg.num_layers) if path.startswith("layers.") else [None]
         for layer in layers:
@@ -72,11 +72,12 @@ def build_params(source: Source, dtype: str = "float32", progress: bool = True) 
             tgt = targets.get(name)
             if tgt is None:
                 continue
-            out = tgt.transform(np.asarray(w), cfg)
-            if tgt.layer is None:
-                arrays[tgt.path][...] = out
-            else:
-                arrays[tgt.path][tgt.layer] = out
+            for path, transform in tgt.outputs():
+                out = transform(np.asarray(w), cfg)
+                if tgt.layer is None:
+                    arrays[path][...] = out
+                else:
+                    arrays[path][tgt.layer] = out
             bar.update(1)
     return params_from_arrays(cfg, arrays, dtype=np_dtype)
 

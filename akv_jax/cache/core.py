@@ -28,10 +28,9 @@ from akv_jax.cache.ops import OP_APPEND, OP_DROP, OP_REPOS, OpHistory, encode_hi
 from akv_jax.cache.restore_plan import plan
 from akv_jax.cache.state import CacheState
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.forward import KVPool, KVWrites, forward
+from akv_jax.model.forward import KVPool, KVWrites, forward, make_model_attention
 from akv_jax.model.params import Params
 from akv_jax.model.rope import rope_table_for
-from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import AttentionFn, SegmentBatch, bucket, build_segment_batch
 from akv_jax.pallas.rotary import RopeTable, rerotate
 
@@ -170,9 +169,7 @@ class CacheOps:
 
     @functools.cached_property
     def _append(self):
-        attn = make_attention_fn(
-            self.backend, block_q=self.block_q, sm_scale=self.cfg.head_dim**-0.5
-        )
+        attn = make_model_attention(self.cfg, self.backend, self.block_q)
         fn = functools.partial(
             append, cfg=self.cfg, attention=attn, block_q=self.block_q, rope=self.rope
         )
@@ -256,7 +253,7 @@ def run_history(
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "block_q"))
 def _restore_forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, backend, block_q):
-    attention = make_attention_fn(backend, block_q=block_q, sm_scale=cfg.head_dim**-0.5)
+    attention = make_model_attention(cfg, backend, block_q)
     return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention)
 
 

@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.forward import KVPool, KVWrites, forward
+from akv_jax.model.forward import KVPool, KVWrites, forward, make_model_attention
 from akv_jax.model.params import Params
 from akv_jax.model.rope import rope_table_for
-from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.pallas.rotary import RopeTable
 
@@ -26,7 +25,7 @@ BLOCK_Q = 64
 
 @functools.partial(jax.jit, static_argnames=("cfg", "block_q", "backend"))
 def _step(params, cfg, tokens, positions, kv, writes, batch, rope, rows, block_q, backend):
-    attention = make_attention_fn(backend, block_q=block_q, sm_scale=cfg.head_dim**-0.5)
+    attention = make_model_attention(cfg, backend, block_q)
     return forward(params, cfg, tokens, positions, kv, writes, batch, rope, attention, rows)
 
 

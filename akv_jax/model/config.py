@@ -15,7 +15,13 @@ import numpy as np
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
+    "GptOssForCausalLM": "gpt_oss",
 }
+MODEL_TYPES = ("llama", "qwen3", "gpt_oss")
+# transformers' GptOssConfig defaults for fields the released config.json does not carry.
+GPT_OSS_SWIGLU_ALPHA = 1.702
+GPT_OSS_SWIGLU_LIMIT = 7.0
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ConfigError(ValueError):
@@ -25,11 +31,62 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" or "llama3"
+    rope_type: str = "default"  # "default", "llama3" or "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN only (transformers' _compute_yarn_parameters).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: derived from factor / mscale
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def attention_scaling(self) -> float:
+        """The factor transformers multiplies cos *and* sin by (1.0 except for YaRN)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(
+                get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim)
+            )
+        return get_mscale(self.factor)
+
+    def yarn_inv_freq(self, head_dim: int) -> np.ndarray:
+        """float32 YaRN inverse frequencies, op for op as transformers computes them."""
+        f32 = np.float32
+        base, dim = self.theta, head_dim
+
+        def correction_dim(rot: float) -> float:
+            return (dim * math.log(self.original_max_position_embeddings / (rot * 2 * math.pi))) / (
+                2 * math.log(base)
+            )
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        exponent = np.arange(0, dim, 2, dtype=np.int64).astype(f32) / f32(dim)
+        # torch's float32 pow is closer to a float64 pow rounded once than to numpy's float32
+        # pow (which is 1-2 ulp off it at a few exponents).
+        pos_freqs = np.power(np.float64(base), exponent.astype(np.float64)).astype(f32)
+        extrapolation = (f32(1.0) / pos_freqs).astype(f32)
+        interpolation = (f32(1.0) / (f32(self.factor) * pos_freqs)).astype(f32)
+        ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1)
+        extra_factor = (f32(1.0) - ramp.astype(f32)).astype(f32)
+        return (
+            interpolation * (f32(1.0) - extra_factor) + extrapolation * extra_factor
+        ).astype(f32)
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Inverse frequencies (float64 numpy) for the half-split RoPE layout."""
@@ -46,6 +103,8 @@ class RopeConfig:
             smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
             is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             inv = np.where(is_medium, smoothed, scaled)
+        elif self.rope_type == "yarn":
+            inv = self.yarn_inv_freq(head_dim).astype(np.float64)
         elif self.rope_type != "default":
             raise ConfigError(f"unsupported rope_type {self.rope_type!r}")
         return inv
@@ -53,7 +112,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" or "qwen3"
+    arch: str  # "llama", "qwen3" or "gpt_oss"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -69,10 +128,37 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-layer attention kind ("full_attention" / "sliding_attention"); None: all full.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    # Mixture of experts (GPT-OSS): 0 experts means the dense SwiGLU MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA
+    swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT
 
     @property
     def qk_norm(self) -> bool:
         return self.arch == "qwen3"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def attention_sinks(self) -> bool:
+        return self.arch == "gpt_oss"
+
+    @property
+    def norm_scale_in_float32(self) -> bool:
+        """GPT-OSS's RMSNorm scales before casting back; Llama's casts, then scales."""
+        return self.arch == "gpt_oss"
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types is not None else "full_attention"
+
+    def window_for(self, layer_type: str) -> int | None:
+        return self.sliding_window if layer_type == "sliding_attention" else None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that :func:`config_from_hf` reads back to this config."""
@@ -85,8 +171,19 @@ class ModelConfig:
                 high_freq_factor=self.rope.high_freq_factor,
                 original_max_position_embeddings=self.rope.original_max_position_embeddings,
             )
+        if self.rope.rope_type == "yarn":
+            rope.update(
+                factor=self.rope.factor,
+                beta_fast=self.rope.beta_fast,
+                beta_slow=self.rope.beta_slow,
+                truncate=self.rope.truncate,
+                original_max_position_embeddings=self.rope.original_max_position_embeddings,
+            )
+            for key in ("attention_factor", "mscale", "mscale_all_dim"):
+                if getattr(self.rope, key) is not None:
+                    rope[key] = getattr(self.rope, key)
         eos = list(self.eos_token_ids)
-        return {
+        out = {
             "architectures": [arch_name],
             "model_type": self.arch,
             "vocab_size": self.vocab_size,
@@ -105,9 +202,20 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
         }
+        if self.layer_types is not None:
+            out["layer_types"] = list(self.layer_types)
+            out["sliding_window"] = self.sliding_window
+        if self.is_moe:
+            out.update(
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                swiglu_alpha=self.swiglu_alpha,
+                swiglu_limit=self.swiglu_limit,
+            )
+        return out
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+def _rope_from_hf(cfg: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
     params = cfg.get("rope_parameters")
     if params is None:  # legacy form
         params = dict(cfg.get("rope_scaling") or {})
@@ -115,7 +223,7 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
             params.setdefault("rope_theta", cfg["rope_theta"])
     params = dict(params)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    out = RopeConfig(theta=float(params.get("rope_theta", 10000.0)), rope_type=rope_type)
+    out = RopeConfig(theta=float(params.get("rope_theta", default_theta)), rope_type=rope_type)
     if rope_type == "llama3":
         out = dataclasses.replace(
             out,
@@ -124,8 +232,26 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
+    elif rope_type == "yarn":
+        def opt(key: str) -> float | None:
+            return None if params.get(key) is None else float(params[key])
+
+        out = dataclasses.replace(
+            out,
+            factor=float(params["factor"]),
+            # transformers: ``get("beta_fast") or 32``, ``get("truncate", True)``
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            attention_factor=opt("attention_factor"),
+            mscale=opt("mscale"),
+            mscale_all_dim=opt("mscale_all_dim"),
+        )
     elif rope_type != "default":
-        raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
+        raise ConfigError(
+            f"unsupported rope_type {rope_type!r} (supported: default, llama3, yarn)"
+        )
     return out
 
 
@@ -138,7 +264,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         if arch:
             break
     if arch is None:
-        arch = {"llama": "llama", "qwen3": "qwen3"}.get(cfg.get("model_type", ""))
+        model_type = cfg.get("model_type", "")
+        arch = model_type if model_type in MODEL_TYPES else None
     if arch is None:
         raise ConfigError(
             f"unknown architecture {archs or cfg.get('model_type')!r}; "
@@ -152,6 +279,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        extra = _gpt_oss_fields(cfg) if arch == "gpt_oss" else {}
         return ModelConfig(
             arch=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -162,20 +290,49 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(cfg),
+            rope=_rope_from_hf(cfg, 150000.0 if arch == "gpt_oss" else 10000.0),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "gpt_oss")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **extra,
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
 
 
+def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The GPT-OSS-only fields, with transformers' GptOssConfig defaults where absent."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)
+    ]
+    if len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise ConfigError(f"layer_types must be {n} of {LAYER_TYPES}, got {types!r}")
+    window = cfg.get("sliding_window", 128)
+    if "sliding_attention" in types and not window:
+        raise ConfigError("sliding_attention layers need a sliding_window")
+    experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 0)))
+    top_k = int(cfg.get("num_experts_per_tok", 0))
+    if not 0 < top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok {top_k} must be in 1..num_local_experts {experts}")
+    return dict(
+        layer_types=tuple(types),
+        sliding_window=None if window is None else int(window),
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        swiglu_alpha=float(cfg.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)),
+        swiglu_limit=float(cfg.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT)),
+    )
+
+
 def tiny_config(arch: str = "qwen3", vocab_size: int = 512) -> ModelConfig:
-    """The small random model behind ``--model-path tiny`` (every dimension distinct)."""
+    """The small random model behind ``--model-path tiny`` (every dimension distinct), or
+    with ``arch="gpt_oss"`` the one behind ``tiny-gpt-oss`` (:func:`tiny_gpt_oss_config`)."""
+    if arch == "gpt_oss":
+        return tiny_gpt_oss_config(vocab_size)
     return ModelConfig(
         arch=arch,
         vocab_size=vocab_size,
@@ -190,4 +347,37 @@ def tiny_config(arch: str = "qwen3", vocab_size: int = 512) -> ModelConfig:
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         eos_token_ids=(vocab_size - 1,),
+    )
+
+
+def tiny_gpt_oss_config(vocab_size: int = 512) -> ModelConfig:
+    """``--model-path tiny-gpt-oss``: sliding/full layers alternating, a window of 8 (shorter
+    than any test prompt), 6 experts top-2, released YaRN rope (factor 32)."""
+    return ModelConfig(
+        arch="gpt_oss",
+        vocab_size=vocab_size,
+        hidden_size=48,
+        intermediate_size=40,
+        num_layers=4,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(
+            theta=150000.0,
+            rope_type="yarn",
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=256,
+        ),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        eos_token_ids=(vocab_size - 1,),
+        layer_types=("sliding_attention", "full_attention") * 2,
+        sliding_window=8,
+        num_experts=6,
+        num_experts_per_tok=2,
     )

@@ -1,4 +1,5 @@
-"""Pure forward pass of Llama-3 / Qwen3 decoders over a segment batch and a paged KV pool.
+"""Pure forward pass of Llama-3 / Qwen3 / GPT-OSS decoders over a segment batch and a paged
+KV pool.
 
 One function serves every path: prefill, decode, one-pass restore and plain causal
 prefill. Per layer it (1) computes q, k, v for the batch's tokens, (2) writes each token's
@@ -6,19 +7,71 @@ key, rotated to each of its requested positions, and its value into the pool, an
 segment-batch attention reading only the pool. Writing before attending is what lets a
 segment see its own earlier tokens, and lets a restore keep several *position versions* of
 the same token's key (one write per version).
+
+GPT-OSS adds attention biases, per-head sinks (passed to attention per layer), a MoE MLP
+(:mod:`akv_jax.model.moe`), YaRN's attention factor (applied to q and k in their rotation, as
+transformers does, so stored keys carry it once and a repos by the unscaled table stays exact:
+DESIGN §2.1) and two layer types with different windows: attention is then one function per
+layer type (:class:`AttentionByType`) and the scan runs over groups of consecutive layers
+whose types repeat (one group = one period of ``layer_types``), so each layer of a group
+calls its own static function.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from akv_jax.model.config import ModelConfig
+from akv_jax.model.moe import moe_mlp
 from akv_jax.model.params import LayerParams, Params
+from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import AttentionFn, SegmentBatch
-from akv_jax.pallas.rotary import RopeTable, apply_rope
+from akv_jax.pallas.rotary import RopeTable, apply_rope, rotate_half_split
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionByType:
+    """One attention function per layer type (a tuple, so hashable: a static jit argument)."""
+
+    fns: tuple[tuple[str, AttentionFn], ...]
+
+    def __getitem__(self, layer_type: str) -> AttentionFn:
+        return dict(self.fns)[layer_type]
+
+
+Attention = AttentionFn | AttentionByType
+
+
+def make_model_attention(cfg: ModelConfig, backend: str, block_q: int, **kw) -> Attention:
+    """The attention the forward of ``cfg`` takes: one function, or one per layer type (each
+    layer type's sliding window is static in its function)."""
+    types = sorted(set(cfg.layer_types or ("full_attention",)))
+    scale = cfg.head_dim**-0.5
+    fns = tuple(
+        (t, make_attention_fn(backend, block_q=block_q, sm_scale=scale,
+                              sliding_window=cfg.window_for(t), **kw))
+        for t in types
+    )
+    return fns[0][1] if len(fns) == 1 else AttentionByType(fns)
+
+
+def attention_for(attention: Attention, layer_type: str) -> AttentionFn:
+    return attention[layer_type] if isinstance(attention, AttentionByType) else attention
+
+
+def layer_period(cfg: ModelConfig) -> int:
+    """The smallest p dividing the layer count with ``layer_types`` repeating every p."""
+    types, n = cfg.layer_types, cfg.num_layers
+    if types is None:
+        return 1
+    for p in range(1, n + 1):
+        if n % p == 0 and all(types[i] == types[i % p] for i in range(n)):
+            return p
+    return n
 
 
 @jax.tree_util.register_dataclass
@@ -56,31 +109,51 @@ class KVWrites:
     positions: jax.Array  # [W, T] int32
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """transformers' RMSNorm: normalise in float32, cast back, then scale."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, scale_in_f32: bool = False) -> jax.Array:
+    """transformers' RMSNorm: normalise in float32, cast back, then scale (Llama, Qwen3), or
+    scale in float32, then cast back (``scale_in_f32``: GPT-OSS)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if scale_in_f32:
+        return (weight.astype(jnp.float32) * xf).astype(x.dtype)
     return weight * xf.astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_scale_in_float32)
+
+
+def rope_scaled(x: jax.Array, positions: jax.Array, rope: RopeTable, scale: float) -> jax.Array:
+    """``apply_rope`` with transformers' attention factor on cos and sin (YaRN; 1.0 else)."""
+    if scale == 1.0:
+        return apply_rope(x, positions, rope)
+    return rotate_half_split(x, rope.cos[positions] * scale, rope.sin[positions] * scale)
+
+
+def _bias(y: jax.Array, b: jax.Array | None) -> jax.Array:
+    return y if b is None else y + b
 
 
 def attention_inputs(
     cfg: ModelConfig, lp: LayerParams, x: jax.Array, q_positions: jax.Array, rope: RopeTable
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first half of a layer: (q rotated to ``q_positions``, k *unrotated*, v), [T, H, Dh]."""
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    q = jnp.einsum("td,dhk->thk", h, lp.wq)
-    k = jnp.einsum("td,dhk->thk", h, lp.wk)
-    v = jnp.einsum("td,dhk->thk", h, lp.wv)
+    h = _norm(cfg, x, lp.attn_norm)
+    q = _bias(jnp.einsum("td,dhk->thk", h, lp.wq), lp.bq)
+    k = _bias(jnp.einsum("td,dhk->thk", h, lp.wk), lp.bk)
+    v = _bias(jnp.einsum("td,dhk->thk", h, lp.wv), lp.bv)
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-    return apply_rope(q, q_positions, rope), k, v
+    return rope_scaled(q, q_positions, rope, cfg.rope.attention_scaling()), k, v
 
 
 def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """The second half of a layer: output projection, residual, MLP, residual."""
-    x = x + jnp.einsum("thk,hkd->td", attn.astype(x.dtype), lp.wo)
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    """The second half of a layer: output projection, residual, MLP (or MoE), residual."""
+    x = x + _bias(jnp.einsum("thk,hkd->td", attn.astype(x.dtype), lp.wo), lp.bo)
+    h = _norm(cfg, x, lp.mlp_norm)
+    if cfg.is_moe:
+        return x + moe_mlp(cfg, lp, h)
     gate = jnp.einsum("td,df->tf", h, lp.w_gate)
     up = jnp.einsum("td,df->tf", h, lp.w_up)
     return x + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, lp.w_down)
@@ -108,11 +181,15 @@ def decoder_layer(
     q, k, v = attention_inputs(cfg, lp, x, q_positions, rope)
     ps = k_all.shape[2]
     for w in range(writes.slots.shape[0]):  # W is small and static (position versions)
-        kw = apply_rope(k, writes.positions[w], rope).astype(k_all.dtype)
+        kw = rope_scaled(k, writes.positions[w], rope, cfg.rope.attention_scaling())
+        kw = kw.astype(k_all.dtype)
         page, off = writes.slots[w] // ps, writes.slots[w] % ps  # slot P*ps -> page P: dropped
         k_all = k_all.at[layer, page, off].set(kw, mode="drop")
         v_all = v_all.at[layer, page, off].set(v.astype(v_all.dtype), mode="drop")
-    attn = attention(q, k_all, v_all, batch, layer=layer)
+    if lp.sinks is None:
+        attn = attention(q, k_all, v_all, batch, layer=layer)
+    else:
+        attn = attention(q, k_all, v_all, batch, layer=layer, sinks=lp.sinks)
     return layer_output(cfg, lp, x, attn), k_all, v_all
 
 
@@ -125,27 +202,45 @@ def forward(
     writes: KVWrites,
     batch: SegmentBatch,
     rope: RopeTable,
-    attention: AttentionFn,
+    attention: Attention,
     logits_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVPool]:
     """Run the decoder on ``tokens`` [T] and return (float32 logits, updated pool).
 
-    ``logits_rows`` [N] selects which rows get logits (all rows when None); prefill only
-    needs the last row of each request, which saves the vocabulary matmul elsewhere.
+    ``attention``: one function for every layer, or an :class:`AttentionByType` (see
+    :func:`make_model_attention`). ``logits_rows`` [N] selects which rows get logits (all
+    rows when None); prefill only needs the last row of each request, which saves the
+    vocabulary matmul elsewhere.
     """
     x = params.embed[tokens]
+    period = layer_period(cfg)
+    fns = [attention_for(attention, cfg.layer_type(j)) for j in range(period)]
 
-    def body(carry, layer_in):
-        x, k_all, v_all = carry
-        lp, idx = layer_in
-        x, k_all, v_all = decoder_layer(
-            cfg, lp, x, k_all, v_all, idx, q_positions, writes, batch, rope, attention
-        )
-        return (x, k_all, v_all), None
+    def run(lp, idx, fn: Callable, carry):
+        return decoder_layer(cfg, lp, *carry, idx, q_positions, writes, batch, rope, fn)
 
-    (x, k_all, v_all), _ = jax.lax.scan(
-        body, (x, kv.k, kv.v), (params.layers, jnp.arange(cfg.num_layers))
-    )
+    if period == 1:
+
+        def body(carry, layer_in):
+            lp, idx = layer_in
+            return run(lp, idx, fns[0], carry), None
+
+        xs = (params.layers, jnp.arange(cfg.num_layers))
+    else:
+        # Scan over groups of ``period`` layers; each layer in a group has its own static
+        # attention function (its window), and the group body is unrolled.
+        def body(carry, group_in):
+            lps, g = group_in
+            for j in range(period):
+                lp = jax.tree.map(lambda a, j=j: a[j], lps)
+                carry = run(lp, g * period + j, fns[j], carry)
+            return carry, None
+
+        groups = cfg.num_layers // period
+        grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), params.layers)
+        xs = (grouped, jnp.arange(groups))
+
+    (x, k_all, v_all), _ = jax.lax.scan(body, (x, kv.k, kv.v), xs)
     if logits_rows is not None:
         x = x[logits_rows]
     return lm_logits(params, cfg, x), KVPool(k=k_all, v=v_all)
@@ -153,7 +248,7 @@ def forward(
 
 def lm_logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final norm and vocabulary projection of hidden states ``x`` [T, D] -> float32 [T, V]."""
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    x = _norm(cfg, x, params.final_norm)
     if params.lm_head is None:
         # Contract against embed [V, D] directly: writing ``embed.T`` makes XLA's CPU backend
         # copy the whole transposed table on every call (3x slower decode head).

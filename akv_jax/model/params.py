@@ -2,7 +2,9 @@
 
 Layers are stacked on a leading ``layer`` axis so the forward pass is a ``lax.scan``
 (one compiled layer body, fast compiles on the CPU). Logical axes map to mesh axes through
-:data:`SHARDING_RULES`; tensor parallelism splits attention heads and the FFN width.
+:data:`SHARDING_RULES`; tensor parallelism splits attention heads and the FFN width (of the
+dense MLP and of every expert). Fields a model does not have (Qwen3's qk-norms for Llama,
+GPT-OSS's biases, sinks and experts for the others) are None.
 """
 
 from __future__ import annotations
@@ -44,9 +46,24 @@ class LayerParams:
     q_norm: Any  # [L, Dh] (Qwen3) or None
     k_norm: Any  # [L, Dh] (Qwen3) or None
     mlp_norm: Any  # [L, D]
-    w_gate: Any  # [L, D, F]
-    w_up: Any  # [L, D, F]
-    w_down: Any  # [L, F, D]
+    w_gate: Any  # [L, D, F] (dense MLP) or None (MoE)
+    w_up: Any  # [L, D, F] or None
+    w_down: Any  # [L, F, D] or None
+    # GPT-OSS only (None otherwise): attention biases and per-head sinks ...
+    bq: Any = None  # [L, Hq, Dh]
+    bk: Any = None  # [L, Hkv, Dh]
+    bv: Any = None  # [L, Hkv, Dh]
+    bo: Any = None  # [L, D]
+    sinks: Any = None  # [L, Hq]
+    # ... and the mixture of experts (E experts, expert width F).
+    router: Any = None  # [L, D, E]
+    router_bias: Any = None  # [L, E]
+    expert_gate: Any = None  # [L, E, D, F]
+    expert_up: Any = None  # [L, E, D, F]
+    expert_gate_bias: Any = None  # [L, E, F]
+    expert_up_bias: Any = None  # [L, E, F]
+    expert_down: Any = None  # [L, E, F, D]
+    expert_down_bias: Any = None  # [L, E, D]
 
 
 @jax.tree_util.register_dataclass
@@ -63,6 +80,7 @@ class Params:
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         Hq, Hkv, Dh, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
         qk_norm = ArrayInfo((L, Dh), ("layer", "head_dim"), "ones") if cfg.qk_norm else None
+        dense = not cfg.is_moe
         layers = LayerParams(
             attn_norm=ArrayInfo((L, D), ("layer", "embed"), "ones"),
             wq=ArrayInfo((L, D, Hq, Dh), ("layer", "embed", "q_heads", "head_dim")),
@@ -72,9 +90,11 @@ class Params:
             q_norm=qk_norm,
             k_norm=qk_norm,
             mlp_norm=ArrayInfo((L, D), ("layer", "embed"), "ones"),
-            w_gate=ArrayInfo((L, D, F), ("layer", "embed", "ffw")),
-            w_up=ArrayInfo((L, D, F), ("layer", "embed", "ffw")),
-            w_down=ArrayInfo((L, F, D), ("layer", "ffw", "embed")),
+            w_gate=ArrayInfo((L, D, F), ("layer", "embed", "ffw")) if dense else None,
+            w_up=ArrayInfo((L, D, F), ("layer", "embed", "ffw")) if dense else None,
+            w_down=ArrayInfo((L, F, D), ("layer", "ffw", "embed")) if dense else None,
+            **_attention_extras(cfg),
+            **_moe_params(cfg),
         )
         return Params(
             embed=ArrayInfo((V, D), ("vocab", "embed")),
@@ -82,6 +102,39 @@ class Params:
             final_norm=ArrayInfo((D,), ("embed",), "ones"),
             lm_head=None if cfg.tie_word_embeddings else ArrayInfo((D, V), ("embed", "vocab")),
         )
+
+
+def _attention_extras(cfg: ModelConfig) -> dict[str, ArrayInfo]:
+    L, D, Hq, Hkv, Dh = (
+        cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    )
+    out = {}
+    if cfg.attention_bias:
+        out.update(
+            bq=ArrayInfo((L, Hq, Dh), ("layer", "q_heads", "head_dim")),
+            bk=ArrayInfo((L, Hkv, Dh), ("layer", "kv_heads", "head_dim")),
+            bv=ArrayInfo((L, Hkv, Dh), ("layer", "kv_heads", "head_dim")),
+            bo=ArrayInfo((L, D), ("layer", "embed")),
+        )
+    if cfg.attention_sinks:
+        out["sinks"] = ArrayInfo((L, Hq), ("layer", "q_heads"))
+    return out
+
+
+def _moe_params(cfg: ModelConfig) -> dict[str, ArrayInfo]:
+    if not cfg.is_moe:
+        return {}
+    L, D, F, E = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    return dict(
+        router=ArrayInfo((L, D, E), ("layer", "embed", "expert")),
+        router_bias=ArrayInfo((L, E), ("layer", "expert")),
+        expert_gate=ArrayInfo((L, E, D, F), ("layer", "expert", "embed", "ffw")),
+        expert_up=ArrayInfo((L, E, D, F), ("layer", "expert", "embed", "ffw")),
+        expert_gate_bias=ArrayInfo((L, E, F), ("layer", "expert", "ffw")),
+        expert_up_bias=ArrayInfo((L, E, F), ("layer", "expert", "ffw")),
+        expert_down=ArrayInfo((L, E, F, D), ("layer", "expert", "ffw", "embed")),
+        expert_down_bias=ArrayInfo((L, E, D), ("layer", "expert", "embed")),
+    )
 
 
 # Logical axis -> mesh axis. Heads and FFN width split over "tensor"; everything else is
@@ -95,6 +148,12 @@ SHARDING_RULES: dict[str, str | None] = {
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "ffw": "tensor",
+    # Experts are tensor-parallel *inside* each expert (their width is "ffw", split like the
+    # dense MLP), not expert-parallel: every device holds a slice of every expert, so the
+    # token sort and the ragged_dot groups are the same on every device and the only
+    # collective is the down projection's all-reduce, as for the dense MLP. Expert
+    # parallelism would need an all-to-all token dispatch that GSPMD does not derive.
+    "expert": None,
 }
 
 

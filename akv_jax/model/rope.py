@@ -6,7 +6,10 @@ integer position, so ``rope(k, p)`` equals transformers' ``apply_rotary_pos_emb`
 rounding. The table type and the rotations that read it (``apply_rope``, the repos
 ``rerotate``) are in :mod:`akv_jax.pallas.rotary`, below both the model and the kernels.
 
-No attention scaling factor is applied: the tables are pure rotations.
+No attention scaling factor is applied: the tables are pure rotations. YaRN's attention factor
+(:meth:`RopeConfig.attention_scaling`) is applied by the forward when it rotates q and k
+(``forward.rope_scaled``), as transformers does, so stored keys carry it exactly once and the
+repos rotation by these unscaled tables moves them exactly (DESIGN §2.1).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from akv_jax.pallas.rotary import RopeTable
 
 def hf_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """float32 inverse frequencies computed the way transformers computes them."""
-    if rope.rope_type == "default":
+    if rope.rope_type == "default":  # (YaRN: RopeConfig.yarn_inv_freq, already float32)
         exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(
             head_dim
         )

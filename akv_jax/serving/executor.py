@@ -18,10 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.forward import KVWrites
+from akv_jax.model.forward import KVWrites, make_model_attention
 from akv_jax.model.params import Params
 from akv_jax.model.rope import rope_table_for
-from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, transfer_pages
 from akv_jax.serving.work import Pass, RequestState
@@ -105,7 +104,7 @@ class Executor:
             self.prefill = self.decode = group(devices[:tp] if tp > 1 else None)
         self.rope = rope_table_for(cfg)
         self._attn = {
-            bq: make_attention_fn(attention_backend, block_q=bq, sm_scale=cfg.head_dim**-0.5)
+            bq: make_model_attention(cfg, attention_backend, bq)
             for bq in (DECODE_BLOCK_Q, PREFILL_BLOCK_Q)
         }
 

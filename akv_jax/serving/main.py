@@ -65,7 +65,8 @@ def _port(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Serve a model with AKV cache operations over HTTP.")
     p.add_argument("--model-path", default=None,
-                   help="Hugging Face folder, .gguf file, converted checkpoint, or 'tiny' "
+                   help="Hugging Face folder, .gguf file, converted checkpoint, 'tiny' or "
+                        "'tiny-gpt-oss' "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None,
                    help="model name reported by /v1/models (default: from --model-path)")
@@ -224,7 +225,7 @@ def enable_compile_cache(where: str | None) -> None:
 def build_engine(args: argparse.Namespace):
     """Load the model and start the engine (StartupError on any failure)."""
     from akv_jax.serving.engine import Engine
-    from converters.loading import load_model
+    from converters.loading import TINY_MODELS, load_model
 
     what = args.model_path or "the default model"
     enable_compile_cache(args.compile_cache_dir)
@@ -234,7 +235,8 @@ def build_engine(args: argparse.Namespace):
         log.debug("model load failed", exc_info=True)
         raise StartupError(f"cannot load {what}: {e}") from None
     if args.context_length is not None:
-        model = with_context_length(model, args.context_length, args.model_path == "tiny")
+        is_tiny = args.model_path in TINY_MODELS
+        model = with_context_length(model, args.context_length, is_tiny)
     try:
         engine = Engine(
             model,

@@ -1,0 +1,55 @@
+"""GPT-OSS mixture-of-experts MLP: biased top-k router and clamped-SwiGLU experts.
+
+Formulas follow transformers' ``GptOssTopKRouter`` / ``GptOssExperts``:
+
+* router logits ``h @ router + router_bias``; the top-k logits are soft-maxed over the k
+  (not over all experts);
+* expert ``e``: ``gate = h @ Wg_e + bg_e``, ``up = h @ Wu_e + bu_e`` (HF stores both
+  interleaved in ``gate_up_proj``; the converter splits them), then
+  ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``,
+  then ``@ Wd_e + bd_e``;
+* the output is the routing-weighted sum over a token's k experts.
+
+The experts run as one grouped matmul (``jax.lax.ragged_dot``) over the T*k (token, expert)
+pairs sorted by expert: work is proportional to T*k, never T*E.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from akv_jax.model.config import ModelConfig
+from akv_jax.model.params import LayerParams
+
+
+def route(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(expert ids [T, k] int32, routing weights [T, k] float32) of tokens ``h`` [T, D]."""
+    logits = jnp.einsum("td,de->te", h, lp.router) + lp.router_bias
+    top, idx = jax.lax.top_k(logits.astype(jnp.float32), cfg.num_experts_per_tok)
+    return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
+
+
+def clamped_swiglu(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    limit = cfg.swiglu_limit
+    gate = jnp.minimum(gate, limit)  # clamped above only, as in transformers
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+
+
+def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> jax.Array:
+    """The MoE block on normed hidden states ``h`` [T, D] -> [T, D] (no residual)."""
+    T, K, E = h.shape[0], cfg.num_experts_per_tok, cfg.num_experts
+    experts, weights = route(cfg, lp, h)
+    flat = experts.reshape(-1)  # [T*K], pair i is (token i // K, its (i % K)-th expert)
+    order = jnp.argsort(flat, stable=True)
+    expert_of = flat[order]
+    token_of = order // K
+    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = h[token_of]  # [T*K, D], grouped by expert
+    gate = jax.lax.ragged_dot(xs, lp.expert_gate, group_sizes) + lp.expert_gate_bias[expert_of]
+    up = jax.lax.ragged_dot(xs, lp.expert_up, group_sizes) + lp.expert_up_bias[expert_of]
+    act = clamped_swiglu(cfg, gate, up).astype(h.dtype)
+    out = jax.lax.ragged_dot(act, lp.expert_down, group_sizes) + lp.expert_down_bias[expert_of]
+    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+    return jnp.zeros((T, h.shape[1]), out.dtype).at[token_of].add(out).astype(h.dtype)
