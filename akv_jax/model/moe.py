@@ -10,8 +10,10 @@ Formulas follow transformers' ``GptOssTopKRouter`` / ``GptOssExperts``:
   then ``@ Wd_e + bd_e``;
 * the output is the routing-weighted sum over a token's k experts.
 
-The experts run as one grouped matmul (``jax.lax.ragged_dot``) over the T*k (token, expert)
-pairs sorted by expert: work is proportional to T*k, never T*E.
+The experts run as grouped matmuls (:func:`akv_jax.pallas.grouped_matmul.grouped_matmul`:
+``jax.lax.ragged_dot`` on GPU and TPU, a tiled scan on the CPU, whose ragged_dot lowering is
+a dense product over every expert) over the T*k (token, expert) pairs sorted by expert: work
+is proportional to T*k, never T*E.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.params import LayerParams
+from akv_jax.pallas.grouped_matmul import grouped_matmul
 
 
 def route(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -47,9 +50,9 @@ def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> jax.Array:
     token_of = order // K
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = h[token_of]  # [T*K, D], grouped by expert
-    gate = jax.lax.ragged_dot(xs, lp.expert_gate, group_sizes) + lp.expert_gate_bias[expert_of]
-    up = jax.lax.ragged_dot(xs, lp.expert_up, group_sizes) + lp.expert_up_bias[expert_of]
+    gate = grouped_matmul(xs, lp.expert_gate, group_sizes) + lp.expert_gate_bias[expert_of]
+    up = grouped_matmul(xs, lp.expert_up, group_sizes) + lp.expert_up_bias[expert_of]
     act = clamped_swiglu(cfg, gate, up).astype(h.dtype)
-    out = jax.lax.ragged_dot(act, lp.expert_down, group_sizes) + lp.expert_down_bias[expert_of]
+    out = grouped_matmul(act, lp.expert_down, group_sizes) + lp.expert_down_bias[expert_of]
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
     return jnp.zeros((T, h.shape[1]), out.dtype).at[token_of].add(out).astype(h.dtype)
