@@ -108,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "settings are scaled by context / 131072")
     p.add_argument("--turns", type=int, default=TrajectorySpec.max_turns,
                    help="turns per trajectory (TrajectorySpec.max_turns)")
+    p.add_argument("--model", default="tiny", choices=["tiny", "tiny-gpt-oss"],
+                   help="the server's --model-path (a random model: only its shape matters)")
     p.add_argument("--max-total-tokens", type=int, default=131072, help="server KV pool")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running-requests", type=int, default=16)
@@ -294,7 +296,7 @@ def settings(args: argparse.Namespace, spec: TrajectorySpec) -> dict:
         "warmup_window_s": args.warmup_window,
         "seed": args.seed,
         "server": {
-            "model": "tiny",
+            "model": args.model,
             "context_length": spec.context,
             "max_total_tokens": args.max_total_tokens,
             "page_size": args.page_size,
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         server = launch.LocalServer(
             [
                 "--model-path",
-                "tiny",
+                args.model,
                 "--context-length",
                 str(args.context),
                 "--max-total-tokens",
