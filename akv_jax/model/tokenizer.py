@@ -198,11 +198,20 @@ class ChatTokenizer:
                 ends.append(len(last))
                 continue
             if gen_prompt is None:
-                gen_prompt = self._generation_prompt_text(**kwargs)
-            followed = self.render(messages[: i + 1], True, **kwargs)
-            if gen_prompt and followed.endswith(gen_prompt):
-                followed = followed[: len(followed) - len(gen_prompt)]
-            end = _message_end(full, (last, followed), ends[-1] if ends else 0)
+                try:
+                    gen_prompt = self._generation_prompt_text(**kwargs)
+                except TokenizerError:
+                    gen_prompt = ""
+            renderings = [last]
+            try:  # some templates refuse a generation prompt after some messages
+                followed = self.render(messages[: i + 1], True, **kwargs)
+            except TokenizerError:
+                pass
+            else:
+                if gen_prompt and followed.endswith(gen_prompt):
+                    followed = followed[: len(followed) - len(gen_prompt)]
+                renderings.insert(0, followed)
+            end = _message_end(full, renderings, ends[-1] if ends else 0)
             if end is None:
                 raise TokenizerError(
                     f"cannot split the conversation into messages: message {i} "
