@@ -4,8 +4,12 @@ A segment (one message's tokens) is the unit every cache operation works on, so
 :meth:`ChatTokenizer.encode_messages` returns one token list per message. Their concatenation
 equals what transformers' ``apply_chat_template`` gives for the whole conversation: the template
 is rendered for every prefix of the conversation and each message gets the text its prefix
-added. Tokens of earlier messages therefore never change when a message is appended, which is
-what lets a later turn find the earlier turns' KV in the cache.
+added. With templates that render each message the same whatever follows it, tokens of earlier
+messages therefore never change when a message is appended, which is what lets a later turn find
+the earlier turns' KV in the cache. Some templates do not (GPT-OSS's harmony drops reasoning
+once a final answer ends the conversation, Qwen3's once a later user message follows): each
+segment is still exactly its message's text in the full rendering, and the changed messages
+simply miss the cache.
 
 Tokenizers come from ``tokenizer.json`` (the ``tokenizers`` library) or, for a GGUF file, are
 rebuilt from its metadata exactly as transformers' GGUF converter builds them
