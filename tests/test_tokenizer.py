@@ -90,3 +90,33 @@ def test_tiny_byte_tokenizer_round_trip():
     assert [t for s in segs for t in s] == tok.apply_chat_template(msgs, True)
     assert segs[0][0] == tok.token_to_id("<|im_start|>") == 510
     assert tok.eos_ids == (511,)
+
+
+def test_segments_when_old_reasoning_is_dropped():
+    """A Qwen3-style template keeps an assistant turn's reasoning only after the last user
+    message: each message's segment is still its text in the full rendering."""
+    tmpl = (
+        "{% set ns = namespace(last_user=-1) %}{% for m in messages %}"
+        "{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and m.reasoning_content and loop.index0 > ns.last_user %}"
+        "<think>{{ m.reasoning_content }}</think>\n{% endif %}{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    byte = ChatTokenizer.byte_level_chatml(512)
+    tok = ChatTokenizer(byte.tokenizer, tmpl, byte.special_tokens)
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "reasoning_content": "think b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d", "reasoning_content": "think d"},
+    ]
+    assert "think b" in tok.render(msgs[:2]) and "think b" not in tok.render(msgs)
+    segs = tok.encode_messages(msgs, add_generation_prompt=True)
+    assert [tok.decode(s) for s in segs] == [
+        "<|im_start|>user\na<|im_end|>\n",
+        "<|im_start|>assistant\nb<|im_end|>\n",
+        "<|im_start|>user\nc<|im_end|>\n",
+        "<|im_start|>assistant\n<think>think d</think>\nd<|im_end|>\n",
+        "<|im_start|>assistant\n",
+    ]

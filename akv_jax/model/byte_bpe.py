@@ -138,3 +138,68 @@ def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     if user:
         tok.add_tokens(user)
     return tok
+
+
+# tiktoken's o200k split regex (o200k_base, o200k_harmony: GPT-4o, GPT-OSS).
+O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def tiktoken_tokenizer(ranks: dict[bytes, int], specials: dict[str, int], split: str) -> Tokenizer:
+    """A tiktoken encoding (mergeable ranks, special tokens, split regex) as a ``tokenizers``
+    byte-level BPE, the way transformers' ``TikTokenConverter`` builds it: every token's merges
+    are the splits of it into two tokens, ordered by the token's rank; ``ignore_merges`` so a
+    pre-token that is itself a token stays whole, as tiktoken does.
+
+    Ids equal tiktoken's ``encode(text, allowed_special="all")``. A special id given under two
+    names keeps the first name.
+    """
+    spelling = bytes_to_unicode()
+
+    def spell(b: bytes) -> str:
+        return "".join(spelling[x] for x in b)
+
+    vocab: dict[str, int] = {}
+    merges: list[tuple[int, int, int, str, str]] = []
+    for token, rank in ranks.items():
+        vocab[spell(token)] = rank
+        local = []
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in ranks and right in ranks:
+                local.append((rank, ranks[left], ranks[right], spell(left), spell(right)))
+        merges.extend(local)
+    merges.sort()
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(m[3], m[4]) for m in merges],
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=True,
+        )
+    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1")
+    by_id: dict[int, str] = {}
+    for name, tid in specials.items():
+        by_id.setdefault(tid, name)
+    # Added tokens get the next free ids in the order given, so the ids must be dense.
+    first = max(ranks.values(), default=-1) + 1
+    if sorted(by_id) != list(range(first, first + len(by_id))):
+        raise ValueError(f"special token ids must be {first}, {first + 1}, ... with no gaps")
+    tok.add_special_tokens(
+        [AddedToken(by_id[tid], normalized=False, special=True) for tid in sorted(by_id)]
+    )
+    return tok

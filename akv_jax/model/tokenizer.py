@@ -4,8 +4,12 @@ A segment (one message's tokens) is the unit every cache operation works on, so
 :meth:`ChatTokenizer.encode_messages` returns one token list per message. Their concatenation
 equals what transformers' ``apply_chat_template`` gives for the whole conversation: the template
 is rendered for every prefix of the conversation and each message gets the text its prefix
-added. Tokens of earlier messages therefore never change when a message is appended, which is
-what lets a later turn find the earlier turns' KV in the cache.
+added. With templates that render each message the same whatever follows it, tokens of earlier
+messages therefore never change when a message is appended, which is what lets a later turn find
+the earlier turns' KV in the cache. Some templates do not (GPT-OSS's harmony drops reasoning
+once a final answer ends the conversation, Qwen3's once a later user message follows): each
+segment is still exactly its message's text in the full rendering, and the changed messages
+simply miss the cache.
 
 Tokenizers come from ``tokenizer.json`` (the ``tokenizers`` library) or, for a GGUF file, are
 rebuilt from its metadata exactly as transformers' GGUF converter builds them
@@ -15,7 +19,10 @@ transformers sets it up (:mod:`akv_jax.model.chat_template`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -175,25 +182,48 @@ class ChatTokenizer:
         """One token segment per message (plus the generation prompt as a last segment when
         ``add_generation_prompt``); their concatenation equals :meth:`apply_chat_template`.
 
-        Message i's segment is the text that rendering ``messages[:i+1]`` adds to the rendering
-        of ``messages[:i]``. Each piece is tokenized on its own, which is exact whenever no token
-        spans a message boundary (chat formats end messages with special tokens or newlines);
-        otherwise the full text is tokenized once and cut where each piece starts.
+        Message i's segment is its text in the full rendering: from the end of message i-1 to
+        the end of the rendering of ``messages[:i+1]``. Templates may render a message
+        differently once others follow it, and :func:`_message_end` finds the end anyway in
+        the two ways they do (see there); a template whose messages cannot be told apart in the
+        full rendering is refused (:class:`TokenizerError`). Each piece is tokenized on its
+        own, which is exact whenever no token spans a message boundary (chat formats end
+        messages with special tokens or newlines); otherwise the full text is tokenized once
+        and cut where each piece starts.
         """
         if not messages:
             raise TokenizerError("no messages")
         full = self.render(messages, add_generation_prompt, **kwargs)
-        ends = []
-        for i in range(len(messages)):
-            prefix = self.render(messages[: i + 1], False, **kwargs)
-            # A template may render a message differently once others follow it (e.g. one
-            # that strips old reasoning); the boundary is then where the two texts part.
-            ends.append(_common_prefix_len(prefix, full))
-        if add_generation_prompt:
-            ends.append(len(full))
-        ends[-1] = len(full)
-        for i in range(1, len(ends)):
-            ends[i] = max(ends[i], ends[i - 1])
+        gen_prompt = None
+        ends: list[int] = []
+        for i in range(len(messages) - 1 + int(add_generation_prompt)):
+            last = self.render(messages[: i + 1], False, **kwargs)
+            if full.startswith(last) and len(last) >= (ends[-1] if ends else 0):
+                ends.append(len(last))
+                continue
+            if gen_prompt is None:
+                try:
+                    gen_prompt = self._generation_prompt_text(**kwargs)
+                except TokenizerError:
+                    gen_prompt = ""
+            renderings = [last]
+            try:  # some templates refuse a generation prompt after some messages
+                followed = self.render(messages[: i + 1], True, **kwargs)
+            except TokenizerError:
+                pass
+            else:
+                if gen_prompt and followed.endswith(gen_prompt):
+                    followed = followed[: len(followed) - len(gen_prompt)]
+                renderings.insert(0, followed)
+            end = _message_end(full, renderings, ends[-1] if ends else 0)
+            if end is None:
+                raise TokenizerError(
+                    f"cannot split the conversation into messages: message {i} "
+                    f"({messages[i].get('role')!r}) is rendered differently once later messages "
+                    "follow it, and its end is not found in the full rendering"
+                )
+            ends.append(end)
+        ends.append(len(full))
         starts = [0, *ends[:-1]]
         segments = [self.encode(full[s:e]) for s, e in zip(starts, ends, strict=True)]
         if [t for seg in segments for t in seg] != self.encode(full):
@@ -215,28 +245,64 @@ class ChatTokenizer:
             segments[seg].append(tid)
         return segments
 
-    def generation_prompt_segment(self) -> list[int]:
+    def generation_prompt_segment(self, **kwargs: Any) -> list[int]:
         """The ids ``add_generation_prompt`` appends (a segment of its own; may be empty)."""
+        return self.encode(self._generation_prompt_text(**kwargs))
+
+    def _generation_prompt_text(self, **kwargs: Any) -> str:
         probe = [{"role": "user", "content": "x"}]
-        with_gp = self.render(probe, True)
-        without = self.render(probe, False)
+        with_gp = self.render(probe, True, **kwargs)
+        without = self.render(probe, False, **kwargs)
         if not with_gp.startswith(without):
             raise TokenizerError("the template's generation prompt is not a pure suffix")
-        return self.encode(with_gp[len(without) :])
+        return with_gp[len(without) :]
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def _common_prefix_len(a: str, b: str) -> int:
-    if b.startswith(a):
-        return len(a)
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+# Special-token-like markers and newlines: the pieces rendered texts are aligned by.
+_PIECES = re.compile(r"(<\|[^|<>\s]{1,64}\|>|\n)")
+
+
+def _message_end(full: str, renderings: Sequence[str], start: int) -> int | None:
+    """Where a message ends in ``full``, given ``renderings`` of the conversation up to and
+    including it (as the last message, and as a message followed by the generation prompt),
+    no earlier than ``start``.
+
+    The first rendering that is a prefix of ``full`` gives the end; that covers templates that
+    render the last message differently (e.g. GPT-OSS's harmony: ``<|return|>`` instead of
+    ``<|end|>``, and its reasoning kept only at the end). Failing that, some earlier message is
+    rendered differently once later ones follow (harmony drops an assistant's reasoning once a
+    final answer follows it, or keeps it while none does). Then, in pieces cut at
+    special-token markers and newlines, the longest tail of the rendering found in ``full``
+    after ``start`` ends the message where it is first found, provided the tail holds more than
+    markers and newlines (some of the message's own text).
+    """
+    for r in renderings:
+        if full.startswith(r) and len(r) >= start:
+            return len(r)
+    fp = [p for p in _PIECES.split(full) if p]
+    f_ends = [0, *itertools.accumulate(len(p) for p in fp)]
+    first = bisect.bisect_left(f_ends, start)  # the first piece at or after start
+    sep = "\x00"
+    hay = sep + sep.join(fp[first:]) + sep
+    for r in renderings:
+        rp = [p for p in _PIECES.split(r) if p]
+
+        def find(n: int, rp: list[str] = rp) -> int:
+            return hay.find(sep + sep.join(rp[len(rp) - n :]) + sep)
+
+        lo, hi = 0, len(rp)  # the longest tail of the rendering found in full: lo pieces
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if find(mid) >= 0 else (lo, mid - 1)
+        tail = rp[len(rp) - lo :]
+        if not any(_PIECES.fullmatch(p) is None for p in tail):
+            continue  # only markers and newlines: nothing of the message itself
+        at = hay[: find(lo)].count(sep)  # pieces of full[first:] before the tail
+        return f_ends[first + at + lo]
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
