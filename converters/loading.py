@@ -7,7 +7,8 @@
   ``"tiny-gpt-oss"``: the same for a small random GPT-OSS (sliding/full layers with a window of
   8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`).
 * a converted folder (config.json + ``params/``), loaded with orbax;
-* a Hugging Face folder (config.json + *.safetensors), converted in memory;
+* a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
+  with MXFP4 experts, included (dequantised to ``dtype``);
 * a ``.gguf`` file, converted in memory.
 
 It lives in ``converters`` (above ``akv_jax.model``) because three of these ways convert a
