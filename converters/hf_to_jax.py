@@ -4,7 +4,9 @@
     python -m converters.hf_to_jax --gguf FILE --out OUT [--dtype float32|bfloat16]
 
 OUT receives config.json, an orbax checkpoint of the params (``params/``) and the tokenizer
-files (copied from IN, or rebuilt from the GGUF metadata). Every tensor name and shape is checked
+files (copied from IN, or rebuilt from the GGUF metadata). GPT-OSS folders as released (MXFP4
+expert ``*_blocks`` / ``*_scales``, ``quantization_config.quant_method == "mxfp4"``) are
+dequantised and stored dense in ``--dtype``. Every tensor name and shape is checked
 against the config before any weight is read. Any failure prints one ``error: ...`` line on
 stderr and exits with status 1.
 """

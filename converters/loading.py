@@ -7,7 +7,8 @@
   ``"tiny-gpt-oss"``: the same for a small random GPT-OSS (sliding/full layers with a window of
   8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`).
 * a converted folder (config.json + ``params/``), loaded with orbax;
-* a Hugging Face folder (config.json + *.safetensors), converted in memory;
+* a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
+  with MXFP4 experts, included (dequantised to ``dtype``);
 * a ``.gguf`` file, converted in memory.
 
 It lives in ``converters`` (above ``akv_jax.model``) because three of these ways convert a
@@ -24,11 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from akv_jax.model import checkpoint
 from akv_jax.model.config import ModelConfig, tiny_config, tiny_gpt_oss_config
 from akv_jax.model.params import Params, cast_params, seeded_params
 from akv_jax.model.tokenizer import ChatTokenizer
+from akv_jax.pallas.grouped_matmul import Mxfp4Weight
+from converters import mxfp4
 from converters.convert import build_params, convert_to_checkpoint
 from converters.mapping import ConversionError
 from converters.sources import open_gguf, open_hf_dir
@@ -94,10 +98,62 @@ def _tokenizer_in(path: Path, cfg: ModelConfig) -> ChatTokenizer | None:
     return ChatTokenizer.from_dir(path, extra_eos_ids=cfg.eos_token_ids)
 
 
+MOE_WEIGHT_FORMATS = ("dense", "mxfp4")
+
+
+def pack_experts(cfg: ModelConfig, params: Params) -> Params:
+    """``params`` with the MoE expert weights as :class:`Mxfp4Weight` (kept packed on the
+    device, dequantised per tile inside the grouped matmul).
+
+    The weights are requantised from their dense values: a released MXFP4 checkpoint's
+    dequantised values are MXFP4 values, which :func:`converters.mxfp4.quantize` reproduces
+    exactly, so serving it packed computes with the very same weights. A dense checkpoint is
+    quantised (lossy).
+    """
+    if not cfg.is_moe:
+        raise ModelLoadError("--moe-weight-format mxfp4 needs a mixture-of-experts model")
+    for what, n in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
+        if n % mxfp4.BLOCK:
+            raise ModelLoadError(
+                f"--moe-weight-format mxfp4 needs {what} to be a multiple of {mxfp4.BLOCK}, "
+                f"got {n}"
+            )
+
+    def pack(w: Any) -> Mxfp4Weight:
+        blocks, scales = mxfp4.quantize(np.asarray(w, np.float32))
+        return Mxfp4Weight(jnp.asarray(blocks), jnp.asarray(scales))
+
+    lp = params.layers
+    layers = dataclasses.replace(
+        lp,
+        expert_gate=pack(lp.expert_gate),
+        expert_up=pack(lp.expert_up),
+        expert_down=pack(lp.expert_down),
+    )
+    return dataclasses.replace(params, layers=layers)
+
+
 def load_model(
-    path_or_name: str | Path | None = None, dtype: Any = "float32", progress: bool = False
+    path_or_name: str | Path | None = None,
+    dtype: Any = "float32",
+    progress: bool = False,
+    moe_weight_format: str = "dense",
 ) -> LoadedModel:
-    """Load config, params (as ``dtype`` device arrays) and tokenizer; see the module doc."""
+    """Load config, params (as ``dtype`` device arrays) and tokenizer; see the module doc.
+
+    ``moe_weight_format="mxfp4"`` keeps a MoE model's expert weights packed (:func:`pack_experts`).
+    """
+    if moe_weight_format not in MOE_WEIGHT_FORMATS:
+        raise ModelLoadError(
+            f"unknown MoE weight format {moe_weight_format!r} (one of {MOE_WEIGHT_FORMATS})"
+        )
+    m = _load(path_or_name, dtype, progress)
+    if moe_weight_format == "mxfp4":
+        m = dataclasses.replace(m, params=pack_experts(m.cfg, m.params))
+    return m
+
+
+def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> LoadedModel:
     dt = jnp.dtype(dtype)
     name = None if path_or_name is None else str(path_or_name)
     if name in (None, "", "default"):

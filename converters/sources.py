@@ -4,6 +4,13 @@ A :class:`Source` gives the model config, the list of tensors (HF names and shap
 headers only, so a checkpoint is fully validated before any weight is read), an iterator over
 the weights in HF layout (float arrays, names in HF spelling) and the tokenizer that goes with
 the weights.
+
+GPT-OSS as released keeps its expert weights in MXFP4 (config.json's
+``quantization_config.quant_method == "mxfp4"``): each ``<name>_blocks`` / ``<name>_scales`` pair
+is seen as the one dense tensor ``<name>`` (shape derived from the headers, so a malformed pair
+fails before any weight is read) and read dequantised to float32 (exact: every MXFP4 value is a
+float32, and a bfloat16 too unless its scale is extreme), which the converter then maps exactly
+as it maps a dense checkpoint's tensor and stores in the serving dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import numpy as np
 
 from akv_jax.model.config import ConfigError, ModelConfig, config_from_hf
 from akv_jax.model.tokenizer import ChatTokenizer
+from converters import mxfp4
 from converters.mapping import ConversionError, gguf_to_hf_name, unpermute_llama_qk
 
 # Files copied next to a converted checkpoint when the source folder has them.
@@ -67,6 +75,63 @@ def _safetensors_files(d: Path) -> list[Path]:
     return files
 
 
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+
+
+def _quant_method(raw: dict[str, Any], cfg_file: Path) -> str | None:
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method != "mxfp4":
+        raise ConversionError(
+            f"{cfg_file}: quantization_config.quant_method {method!r} is not supported "
+            f"(only 'mxfp4', GPT-OSS's released expert layout)"
+        )
+    return method
+
+
+def _pair_mxfp4(
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, str],
+    quant: str | None,
+    cfg_file: Path,
+) -> dict[str, tuple[str, str]]:
+    """Replace every ``X_blocks`` / ``X_scales`` pair in ``shapes`` by ``X`` with its dense
+    shape ``[..., in, out]``; returns ``X -> (blocks name, scales name)``."""
+    packed: dict[str, tuple[str, str]] = {}
+    for name in [n for n in shapes if n.endswith(MXFP4_SUFFIXES)]:
+        base = name[: -len("_blocks")]
+        if quant != "mxfp4":
+            raise ConversionError(
+                f"tensor {name} looks MXFP4-packed but {cfg_file} has no quantization_config "
+                f"with quant_method 'mxfp4'"
+            )
+        blocks, scales = f"{base}_blocks", f"{base}_scales"
+        if base in packed:
+            continue
+        for have, want in ((blocks, scales), (scales, blocks)):
+            if have in shapes and want not in shapes:
+                raise ConversionError(f"mxfp4 tensor {have} has no matching {want}")
+        if base in shapes:
+            raise ConversionError(f"tensor {base} is stored both dense and as mxfp4 {blocks}")
+        for n in (blocks, scales):
+            if dtypes[n] != "U8":
+                raise ConversionError(f"mxfp4 tensor {n} must be uint8, not {dtypes[n]}")
+        b, sc = shapes[blocks], shapes[scales]
+        if len(b) < 3 or b[-1] != mxfp4.BLOCK // 2 or b[:-1] != sc:
+            raise ConversionError(
+                f"mxfp4 shape mismatch for {base}: {blocks} is {b}, {scales} is {sc} "
+                f"(expected blocks [..., out, in/{mxfp4.BLOCK}, {mxfp4.BLOCK // 2}] and scales "
+                f"[..., out, in/{mxfp4.BLOCK}])"
+            )
+        *lead, out, groups, _ = b
+        shapes[base] = (*lead, groups * mxfp4.BLOCK, out)
+        del shapes[blocks], shapes[scales]
+        packed[base] = (blocks, scales)
+    return packed
+
+
 def open_hf_dir(path: str | Path) -> Source:
     """A Hugging Face checkpoint folder: config.json + model(-0000k-of-0000n).safetensors."""
     from safetensors import safe_open
@@ -78,26 +143,43 @@ def open_hf_dir(path: str | Path) -> Source:
     if not cfg_file.exists():
         raise ConversionError(f"no config.json in {d}")
     try:
-        cfg = config_from_hf(json.loads(cfg_file.read_text()))
+        raw = json.loads(cfg_file.read_text())
+        cfg = config_from_hf(raw)
     except ValueError as e:
         raise ConversionError(f"{cfg_file}: {e}") from None
+    quant = _quant_method(raw, cfg_file)
     files = _safetensors_files(d)
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     where: dict[str, Path] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="numpy") as h:
                 for k in h.keys():
-                    shapes[k] = tuple(h.get_slice(k).get_shape())
+                    sl = h.get_slice(k)
+                    shapes[k] = tuple(sl.get_shape())
+                    dtypes[k] = sl.get_dtype()
                     where[k] = f
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ConversionError(f"cannot read {f.name}: {e}") from None
+    packed = _pair_mxfp4(shapes, dtypes, quant, cfg_file)
+    scales_of = {blocks: (base, scales) for base, (blocks, scales) in packed.items()}
+    part_of_pair = {n for pair in packed.values() for n in pair}
+
+    def tensor(name: str) -> np.ndarray:
+        with safe_open(str(where[name]), framework="numpy") as h:
+            return h.get_tensor(name)
 
     def read() -> Iterator[tuple[str, np.ndarray]]:
         for f in files:
             with safe_open(str(f), framework="numpy") as h:
                 for k in h.keys():
-                    yield k, h.get_tensor(k)
+                    if k in scales_of:
+                        base, scales = scales_of[k]
+                        w = mxfp4.dequantize(h.get_tensor(k), tensor(scales))
+                        yield base, w.reshape(shapes[base])
+                    elif k not in part_of_pair:
+                        yield k, h.get_tensor(k)
 
     def tokenizer() -> ChatTokenizer | None:
         if not (d / "tokenizer.json").exists():

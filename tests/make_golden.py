@@ -23,7 +23,15 @@ It writes, under ``tests/fixtures/`` (total well under 5 MB; never edit these by
   top-2, YaRN factor 32 as released; sinks and router biases drawn N(0, 1) and the attention
   and expert biases N(0, 0.1) so each matters, a SwiGLU limit low enough that the clamps bite.
   Computed with the eager attention and experts (the reference implementations).
-* ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``, ``golden/tiny_gpt_oss.npz``: a random
+* ``tiny_gpt_oss_mxfp4/``: a random GPT-OSS checkpoint in the layout GPT-OSS is released in:
+  expert weights as MXFP4 ``*_blocks`` / ``*_scales`` (quantised in numpy with
+  ``converters/mxfp4.py``'s :func:`quantize`, loaded by path: it is numpy only) and config.json's
+  ``quantization_config`` as gpt-oss-20b ships it. Its dimensions are multiples of 32 (MXFP4's
+  block), so it cannot be tiny_gpt_oss; otherwise the same features. Golden logits come from
+  transformers loading the folder with ``Mxfp4Config(dequantize=True)`` (float32, CPU), checked
+  to equal the unquantised model with its experts replaced by the dequantised weights.
+* ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``, ``golden/tiny_gpt_oss.npz``,
+  ``golden/tiny_gpt_oss_mxfp4.npz``: a random
   prompt of 320 ids, transformers' float32 logits at every position, and the 16-token greedy
   continuation.
 * ``golden/gpt_oss_rope.json``: GPT-OSS config.json variants (the released legacy form with
@@ -58,6 +66,7 @@ from transformers import (
     GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Mxfp4Config,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -142,6 +151,51 @@ TINY = {
         attn_implementation="eager",
         experts_implementation="eager",
     ),
+}
+# MXFP4 needs every expert input dimension to be a multiple of 32 (hidden and intermediate).
+MXFP4_NAME = "tiny_gpt_oss_mxfp4"
+MXFP4_SEED = 3456
+MXFP4_CFG = GptOssConfig(
+    vocab_size=288,
+    hidden_size=96,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=20,
+    num_local_experts=5,
+    num_experts_per_tok=2,
+    sliding_window=12,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    swiglu_limit=0.8,
+    attention_bias=True,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    attn_implementation="eager",
+    experts_implementation="eager",
+)
+# config.json's quantization_config as openai/gpt-oss-20b (and -120b) ship it.
+MXFP4_QUANT = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
 }
 TINY_CLASSES = {
     "tiny_qwen3": Qwen3ForCausalLM,
@@ -237,6 +291,75 @@ def make_tiny(name: str) -> None:
     print(f"{name}: logits std {logits.std():.3f}, min top1-top2 gap {gap:.2e}")
     np.savez_compressed(
         GOLDEN / f"{name}.npz",
+        prompt=np.asarray(prompt, np.int32),
+        logits=logits.astype(np.float32),
+        continuation=np.asarray(cont, np.int32),
+    )
+
+
+def _mxfp4_module():
+    """converters/mxfp4.py, loaded by path (numpy only; akv_jax is not importable here)."""
+    path = Path(__file__).resolve().parent.parent / "converters" / "mxfp4.py"
+    spec = importlib.util.spec_from_file_location("akv_mxfp4", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@torch.no_grad()
+def make_tiny_mxfp4() -> None:
+    from safetensors.torch import load_file, save_file
+
+    mx = _mxfp4_module()
+    cfg = MXFP4_CFG
+    torch.manual_seed(MXFP4_SEED)
+    model = GptOssForCausalLM(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(MXFP4_SEED + 1)
+    _perturb_norms(model, gen)
+    _randomize_gpt_oss(model, gen)
+    # Quantise every expert weight and put the dequantised values back: ``model`` is then the
+    # model the MXFP4 checkpoint describes.
+    packed: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mx.quantize(p.numpy())
+            p.copy_(torch.from_numpy(mx.dequantize(blocks, scales)))
+            packed[f"{name}_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+            packed[f"{name}_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+    out_dir = ROOT / MXFP4_NAME
+    shutil.rmtree(out_dir, ignore_errors=True)
+    model.save_pretrained(out_dir)
+    (out_dir / "generation_config.json").unlink(missing_ok=True)
+    st = out_dir / "model.safetensors"
+    tensors = load_file(st)
+    for name in packed:
+        tensors.pop(name.removesuffix("_blocks").removesuffix("_scales"), None)
+    save_file({**tensors, **packed}, st, metadata={"format": "pt"})
+    cfg_json = json.loads((out_dir / "config.json").read_text())
+    cfg_json["quantization_config"] = MXFP4_QUANT
+    (out_dir / "config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
+
+    loaded = GptOssForCausalLM.from_pretrained(
+        out_dir,
+        quantization_config=Mxfp4Config(dequantize=True),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    ).eval()
+    ref = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, ref[name]), name
+    rng = np.random.default_rng(MXFP4_SEED + 2)
+    prompt = rng.integers(3, cfg.vocab_size, size=PROMPT_LEN).tolist()
+    logits = loaded(torch.tensor([prompt])).logits[0].float().numpy()
+    dense = model(torch.tensor([prompt])).logits[0].float().numpy()
+    assert np.abs(logits - dense).max() == 0.0
+    cont = _greedy(loaded, prompt, NEW_TOKENS)
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    gap = np.min(top2[:, 1] - top2[:, 0])
+    print(f"{MXFP4_NAME}: logits std {logits.std():.3f}, min top1-top2 gap {gap:.2e}")
+    np.savez_compressed(
+        GOLDEN / f"{MXFP4_NAME}.npz",
         prompt=np.asarray(prompt, np.int32),
         logits=logits.astype(np.float32),
         continuation=np.asarray(cont, np.int32),
@@ -357,7 +480,9 @@ def _tf_version() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description="write the golden fixtures (all by default)")
     ap.add_argument(
-        "--only", choices=[*TINY, "gpt_oss_rope", "smollm2"], help="write just this fixture"
+        "--only",
+        choices=[*TINY, MXFP4_NAME, "gpt_oss_rope", "smollm2"],
+        help="write just this fixture",
     )
     only = ap.parse_args().only
     torch.set_num_threads(2)
@@ -365,6 +490,8 @@ def main() -> None:
     for name in TINY:
         if only in (None, name):
             make_tiny(name)
+    if only in (None, MXFP4_NAME):
+        make_tiny_mxfp4()
     if only in (None, "gpt_oss_rope"):
         make_gpt_oss_rope()
     if only in (None, "smollm2"):

@@ -13,7 +13,9 @@ Formulas follow transformers' ``GptOssTopKRouter`` / ``GptOssExperts``:
 The experts run as grouped matmuls (:func:`akv_jax.pallas.grouped_matmul.grouped_matmul`:
 ``jax.lax.ragged_dot`` on GPU and TPU, a tiled scan on the CPU, whose ragged_dot lowering is
 a dense product over every expert) over the T*k (token, expert) pairs sorted by expert: work
-is proportional to T*k, never T*E.
+is proportional to T*k, never T*E. The expert weights may be packed MXFP4
+(:class:`~akv_jax.pallas.grouped_matmul.Mxfp4Weight`, ``--moe-weight-format mxfp4``); the grouped
+matmul dequantises them per (row tile, expert).
 """
 
 from __future__ import annotations

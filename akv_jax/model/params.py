@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from akv_jax.model.config import ModelConfig
+from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,7 @@ class LayerParams:
     # ... and the mixture of experts (E experts, expert width F).
     router: Any = None  # [L, D, E]
     router_bias: Any = None  # [L, E]
+    # The three expert weights are arrays, or Mxfp4Weight (packed, --moe-weight-format mxfp4).
     expert_gate: Any = None  # [L, E, D, F]
     expert_up: Any = None  # [L, E, D, F]
     expert_gate_bias: Any = None  # [L, E, F]
@@ -242,11 +244,26 @@ def params_to_arrays(params: Params) -> dict[str, np.ndarray]:
 
 
 def cast_params(params: Params, dtype) -> Params:
-    return jax.tree.map(lambda x: x.astype(dtype), params)
+    """Every float array as ``dtype`` (packed MXFP4 experts stay packed)."""
+    return jax.tree.map(lambda x: x if x.dtype == jnp.uint8 else x.astype(dtype), params)
 
 
 def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
-    return jax.device_put(params, param_shardings(cfg, mesh))
+    """``params`` placed by :func:`param_shardings`; a packed MXFP4 expert weight is split
+    like its dense form (its ``out`` and ``in/32`` axes carry the dense ``out`` and ``in``
+    axes' names; the 16-byte block axis is never split)."""
+
+    def one(info: ArrayInfo, x: Any) -> Any:
+        if isinstance(x, Mxfp4Weight):
+            *lead, ax_in, ax_out = info.axes
+            b_axes = (*lead, ax_out, ax_in, "mxfp4_block")
+            return jax.device_put(x, Mxfp4Weight(
+                NamedSharding(mesh, logical_to_spec(b_axes, x.blocks.shape, mesh)),
+                NamedSharding(mesh, logical_to_spec(b_axes[:-1], x.scales.shape, mesh)),
+            ))
+        return jax.device_put(x, NamedSharding(mesh, logical_to_spec(info.axes, info.shape, mesh)))
+
+    return jax.tree.map(one, Params.abstract(cfg), params, is_leaf=_is_info)
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:

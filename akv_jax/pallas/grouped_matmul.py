@@ -13,24 +13,68 @@ rows it holds, so there are at most ``num_tiles + G - 1`` pairs, each one ``[til
 [K, N]`` product masked to the tile's rows of that group. Work is ``(M + G*tile) K N``
 instead of ``G M K N``. On GPU and TPU, XLA's own ``ragged_dot`` is a grouped GEMM and is
 used as is.
+
+``rhs`` may also be an :class:`Mxfp4Weight` (``--moe-weight-format mxfp4``: expert weights kept
+packed on the device as GPT-OSS releases them, ~0.27x of bfloat16's memory). The tiled path
+then dequantises one expert's ``[K, N]`` per (row tile, expert) pair inside the scan, so only
+one expert is ever dense; ``ragged_dot`` dequantises the whole ``[G, K, N]`` for the call (a
+transient of one layer's experts). Dequantised values are exact in float32 and bfloat16, so
+packed and dense weights give the same products.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DEFAULT_TILE = 32
+MXFP4_BLOCK = 32
+# e2m1 code -> value (the OCP MX table; converters/mxfp4.py holds the same one).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES += tuple(-v for v in FP4_VALUES)  # codes 8-15: the sign bit set
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Weight:
+    """A weight of dense shape ``[..., in, out]`` kept in MXFP4, GPT-OSS's released layout:
+    ``blocks`` uint8 ``[..., out, in/32, 16]`` (two e2m1 codes a byte, low nibble first) and
+    ``scales`` uint8 ``[..., out, in/32]`` (powers of two biased by 127)."""
+
+    blocks: Any
+    scales: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, out, groups, _ = self.blocks.shape
+        return (*lead, groups * MXFP4_BLOCK, out)
+
+
+def dequantize_mxfp4(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
+    """``[..., out, in/32, 16]`` codes and ``[..., out, in/32]`` scales -> ``[..., in, out]``."""
+    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # low nibble first
+    codes = codes.reshape(*blocks.shape[:-1], MXFP4_BLOCK).astype(jnp.int32)
+    table = jnp.asarray(np.asarray(FP4_VALUES, np.float32))
+    scale = jnp.ldexp(jnp.float32(1), scales.astype(jnp.int32) - 127)
+    vals = table[codes] * scale[..., None]  # exact: a float32 times a power of two
+    vals = vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * MXFP4_BLOCK)  # [..., out, in]
+    return jnp.swapaxes(vals, -1, -2).astype(dtype)
 
 
 def grouped_matmul(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, impl: str = "auto",
-    tile: int = DEFAULT_TILE,
+    lhs: jax.Array, rhs: jax.Array | Mxfp4Weight, group_sizes: jax.Array, *,
+    impl: str = "auto", tile: int = DEFAULT_TILE,
 ) -> jax.Array:
     """``impl``: "ragged_dot" (XLA), "tiled" (the scan above) or "auto" (tiled on the CPU)."""
     if impl == "auto":
         impl = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
     if impl == "ragged_dot":
+        if isinstance(rhs, Mxfp4Weight):
+            rhs = dequantize_mxfp4(rhs.blocks, rhs.scales, lhs.dtype)
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     if impl != "tiled":
         raise ValueError(f"unknown grouped matmul impl {impl!r}")
@@ -38,10 +82,22 @@ def grouped_matmul(
 
 
 def grouped_matmul_tiled(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tile: int = DEFAULT_TILE
+    lhs: jax.Array, rhs: jax.Array | Mxfp4Weight, group_sizes: jax.Array, *,
+    tile: int = DEFAULT_TILE,
 ) -> jax.Array:
     M, K = lhs.shape
     G, _, N = rhs.shape
+    if isinstance(rhs, Mxfp4Weight):
+        out_dtype = lhs.dtype
+
+        def weight(g):
+            return dequantize_mxfp4(rhs.blocks[g], rhs.scales[g], lhs.dtype)
+    else:
+        out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+
+        def weight(g):
+            return rhs[g]
+
     num_tiles = -(-M // tile)
     x = jnp.pad(lhs, ((0, num_tiles * tile - M), (0, 0)))
     sizes = group_sizes.astype(jnp.int32)
@@ -66,11 +122,11 @@ def grouped_matmul_tiled(
         rows = t * tile + jnp.arange(tile, dtype=jnp.int32)
         mine = ok & (rows >= starts[g]) & (rows < ends[g])
         xt = jax.lax.dynamic_slice_in_dim(x, t * tile, tile, axis=0)
-        yt = jnp.dot(xt, rhs[g], preferred_element_type=jnp.float32)
+        yt = jnp.dot(xt, weight(g), preferred_element_type=jnp.float32)
         acc = jax.lax.dynamic_slice_in_dim(out, t * tile, tile, axis=0)
         acc = acc + jnp.where(mine[:, None], yt, 0.0)
         return jax.lax.dynamic_update_slice_in_dim(out, acc, t * tile, axis=0), None
 
     out = jnp.zeros((num_tiles * tile, N), jnp.float32)
     out, _ = jax.lax.scan(one, out, (pair_tile, pair_group, real))
-    return out[:M].astype(jnp.result_type(lhs.dtype, rhs.dtype))
+    return out[:M].astype(out_dtype)

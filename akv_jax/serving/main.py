@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=30000, help="0 picks a free port")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--moe-weight-format", choices=("dense", "mxfp4"), default="dense",
+                   help="mxfp4: keep MoE expert weights packed on the device (GPT-OSS's "
+                   "released layout), dequantised per tile inside the grouped matmul")
     p.add_argument("--attention-backend", choices=("auto", "reference", "pallas"), default="auto")
     p.add_argument("--max-total-tokens", type=_positive("--max-total-tokens"), default=16384,
                    help="KV pool size in tokens")
@@ -230,7 +233,10 @@ def build_engine(args: argparse.Namespace):
     what = args.model_path or "the default model"
     enable_compile_cache(args.compile_cache_dir)
     try:
-        model = load_model(args.model_path, args.dtype, progress=sys.stderr.isatty())
+        model = load_model(
+            args.model_path, args.dtype, progress=sys.stderr.isatty(),
+            moe_weight_format=args.moe_weight_format,
+        )
     except Exception as e:  # any loader failure is a user-facing "cannot load" line
         log.debug("model load failed", exc_info=True)
         raise StartupError(f"cannot load {what}: {e}") from None
