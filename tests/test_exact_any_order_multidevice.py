@@ -16,6 +16,7 @@ from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
 from akv_jax.serving.engine import Engine
+from converters.loading import load_model
 
 pytestmark = pytest.mark.multidevice
 
@@ -37,4 +38,24 @@ def test_exact_in_any_order_multidevice(topology):
         return Engine(model, attention_backend="reference", **topology, **kw)
 
     stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7)
+    assert stats["evictions"] > 0 and stats["restores"] > 0
+
+
+@pytest.mark.parametrize("topology", [{"tp": 2}, {"disaggregate": (2, 2)}],
+                         ids=["tp2", "disaggregate-2-2"])
+def test_gpt_oss_exact_in_any_order_multidevice(topology):
+    """tiny-gpt-oss (sinks, window 8, YaRN, MoE): a smaller request set through the same
+    protocol, against the dense reference."""
+    if jax.device_count() < 4:
+        pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
+    model = load_model("tiny-gpt-oss")
+    dm = DenseModel(model.params, model.cfg)
+    reqs = random_histories(np.random.default_rng(14), 8, vocab=model.cfg.vocab_size,
+                            answer=reference_answer(dm))
+    refs = dense_answers(dm, reqs)
+
+    def make_engine(**kw):
+        return Engine(model, attention_backend="reference", **topology, **kw)
+
+    stats = exact_in_any_order(make_engine, model, reqs, refs, seed=14)
     assert stats["evictions"] > 0 and stats["restores"] > 0

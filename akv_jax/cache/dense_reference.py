@@ -1,14 +1,30 @@
 """A deliberately naive dense reference of the op semantics (tests only).
 
 numpy, float64, no pages, no batching. It shares with the JAX path only the model's
-constants: the config, the params (as arrays) and the RoPE inverse frequencies
-(:func:`akv_jax.model.rope.hf_inv_freq`). None of those is what this oracle checks (positions,
-visibility, repos, segment order); the frequencies are transformers' per-model constants,
-checked against transformers by the golden parity tests, and a second copy of that rule here
-would only be a duplicate. Everything the ops decide is computed from scratch: every cached
-token keeps its raw (unrotated) key, its value, its current position and an active flag;
-attention builds explicit per-query masks and rotates keys from scratch with its own angle
-code. It is slow and obviously right, which is its job.
+constants: the config, the params (as arrays), the RoPE inverse frequencies
+(:func:`akv_jax.model.rope.hf_inv_freq`) and YaRN's attention factor
+(:meth:`RopeConfig.attention_scaling`). None of those is what this oracle checks (positions,
+visibility, windows, repos, segment order); the frequencies and the factor are transformers'
+per-model constants, checked against transformers by the golden parity tests, and a second
+copy of that rule here would only be a duplicate. Everything the ops decide is computed from
+scratch: every cached token keeps its raw (unrotated) key, its value, its current position and
+an active flag; attention builds explicit per-query masks and rotates keys from scratch with
+its own angle code. It is slow and obviously right, which is its job.
+
+GPT-OSS (DESIGN §2.1) adds, each written here from the spec and transformers' formulas:
+
+* q/k/v/o biases;
+* attention sinks: one logit per query head joins each softmax denominator, with no value;
+* sliding-window layers: a query attends to the W most recent entries of its view (the
+  active entries when it is computed, in append order, itself included). Every token's K/V
+  are computed at append time with the view it had then; generated tokens see the final view;
+* YaRN: q and k are rotated at their *current* positions with cos and sin multiplied by the
+  attention factor (as transformers does). Keeping raw keys and rotating them at their
+  current position equals storing them scaled-rotated at append and moving them by the
+  unscaled rotation on repos, which is what the cache does;
+* the MoE MLP, token by token: router logits plus bias, top-k, softmax over the k, the
+  clamped SwiGLU ``(clip(up) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``,
+  expert biases, the routing-weighted sum.
 """
 
 from __future__ import annotations
@@ -34,8 +50,10 @@ class DenseState:
     next_pos: int = 0
     num_segments: int = 0
 
-    def rotated_keys(self, inv_freq: np.ndarray) -> list[np.ndarray]:
-        return [_rope(k, self.pos, inv_freq) for k in self.k_raw]
+    def rotated_keys(self, inv_freq: np.ndarray, scale: float = 1.0) -> list[np.ndarray]:
+        """The keys as the cache stores them: rotated to their current positions, times the
+        attention factor ``scale`` (YaRN; 1.0 otherwise)."""
+        return [scale * _rope(k, self.pos, inv_freq) for k in self.k_raw]
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -52,15 +70,43 @@ def _rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def _window_mask(visible: np.ndarray, window: int | None) -> np.ndarray:
+    """Keep, per query row, only the ``window`` last visible entries (append order)."""
+    if window is None:
+        return visible
+    # rank[i, j]: how many visible entries of row i lie at or after j.
+    rank = np.cumsum(visible[:, ::-1], axis=1)[:, ::-1]
+    return visible & (rank <= window)
+
+
+def _moe(cfg: ModelConfig, lw: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(h)
+    limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+    for t in range(h.shape[0]):
+        logits = h[t] @ lw["router"] + lw["router_bias"]
+        top = np.argsort(-logits, kind="stable")[: cfg.num_experts_per_tok]
+        r = np.exp(logits[top] - logits[top].max())
+        r /= r.sum()
+        for e, we in zip(top, r, strict=True):
+            gate = np.minimum(h[t] @ lw["expert_gate"][e] + lw["expert_gate_bias"][e], limit)
+            up = np.clip(h[t] @ lw["expert_up"][e] + lw["expert_up_bias"][e], -limit, limit)
+            act = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+            out[t] += we * (act @ lw["expert_down"][e] + lw["expert_down_bias"][e])
+    return out
+
+
 class DenseModel:
     def __init__(self, params: Params, cfg: ModelConfig):
-        if cfg.is_moe or cfg.attention_sinks or cfg.layer_types is not None:
-            # The op semantics are model-independent; this oracle implements the dense
-            # Llama/Qwen3 layer only (GPT-OSS is checked against transformers instead).
-            raise NotImplementedError(f"the dense reference has no {cfg.arch} layer")
+        if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types:
+            assert cfg.sliding_window, "sliding layers need a window"
         self.cfg = cfg
         self.w = {k: np.asarray(v, np.float64) for k, v in params_to_arrays(params).items()}
         self.inv_freq = hf_inv_freq(cfg.rope, cfg.head_dim)
+        self.attn_factor = float(cfg.rope.attention_scaling())
+
+    def rotated_keys(self, st: DenseState) -> list[np.ndarray]:
+        """The final keys as the cache stores them (with YaRN's attention factor)."""
+        return st.rotated_keys(self.inv_freq, self.attn_factor)
 
     def empty(self) -> DenseState:
         L, H, D = self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
@@ -86,6 +132,8 @@ class DenseModel:
             q = np.einsum("td,dhk->thk", h, lw["wq"])
             k = np.einsum("td,dhk->thk", h, lw["wk"])
             v = np.einsum("td,dhk->thk", h, lw["wv"])
+            if "bq" in lw:
+                q, k, v = q + lw["bq"], k + lw["bk"], v + lw["bv"]
             if cfg.qk_norm:
                 q = _rms(q, lw["q_norm"], cfg.rms_norm_eps)
                 k = _rms(k, lw["k_norm"], cfg.rms_norm_eps)
@@ -93,20 +141,31 @@ class DenseModel:
             vals = np.concatenate([st.v[layer], v])
             k_raw.append(keys_raw)
             vs.append(vals)
-            qr = _rope(q, pos_new, self.inv_freq)
-            kr = _rope(keys_raw, pos_all, self.inv_freq)
+            qr = self.attn_factor * _rope(q, pos_new, self.inv_freq)
+            kr = self.attn_factor * _rope(keys_raw, pos_all, self.inv_freq)
+            lmask = _window_mask(mask, cfg.window_for(cfg.layer_type(layer)))
             out = np.zeros_like(q)
             for hq in range(cfg.num_heads):
                 hk = hq // G
                 s = qr[:, hq] @ kr[:, hk].T / np.sqrt(cfg.head_dim)
-                s = np.where(mask, s, -np.inf)
-                p = np.exp(s - s.max(axis=1, keepdims=True))
-                p /= p.sum(axis=1, keepdims=True)
-                out[:, hq] = p @ vals[:, hk]
+                s = np.where(lmask, s, -np.inf)
+                m = s.max(axis=1, keepdims=True)
+                if "sinks" in lw:
+                    m = np.maximum(m, lw["sinks"][hq])
+                p = np.exp(s - m)
+                denom = p.sum(axis=1, keepdims=True)
+                if "sinks" in lw:  # joins the denominator, carries no value
+                    denom = denom + np.exp(lw["sinks"][hq] - m)
+                out[:, hq] = (p / denom) @ vals[:, hk]
             x = x + np.einsum("thk,hkd->td", out, lw["wo"])
+            if "bo" in lw:
+                x = x + lw["bo"]
             h = _rms(x, lw["mlp_norm"], cfg.rms_norm_eps)
-            g = h @ lw["w_gate"]
-            x = x + ((g / (1 + np.exp(-g))) * (h @ lw["w_up"])) @ lw["w_down"]
+            if cfg.is_moe:
+                x = x + _moe(cfg, lw, h)
+            else:
+                g = h @ lw["w_gate"]
+                x = x + ((g / (1 + np.exp(-g))) * (h @ lw["w_up"])) @ lw["w_down"]
         x = _rms(x, w["final_norm"], cfg.rms_norm_eps)
         head = w["embed"].T if "lm_head" not in w else w["lm_head"]
         logits = x @ head
