@@ -8,5 +8,6 @@ py=.venv/bin/python
 # Main suite (one process), then the 8-device tests in their own process: XLA_FLAGS must be
 # set before jax is imported.
 "$py" -m pytest -q -ra "$@"
-XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra -m multidevice \
+XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra \
+  -m "multidevice and not slow" \
   tests/
