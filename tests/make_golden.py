@@ -78,6 +78,36 @@ NEW_TOKENS = 16
 TOP_K = 8
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# What the two tiny GPT-OSS fixtures share: every GPT-OSS feature switched on (alternating
+# sliding / full layers, experts top-2, YaRN factor 32 as released, biases, eager kernels).
+GPT_OSS_COMMON = dict(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=5,
+    num_experts_per_tok=2,
+    sliding_window=12,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    swiglu_limit=0.8,  # the gate/up std is ~0.7 here: some entries are clamped
+    attention_bias=True,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    attn_implementation="eager",
+    experts_implementation="eager",
+)
 TINY = {
     "tiny_qwen3": Qwen3Config(
         vocab_size=512,
@@ -120,72 +150,16 @@ TINY = {
         eos_token_id=2,
     ),
     "tiny_gpt_oss": GptOssConfig(
-        vocab_size=352,
-        hidden_size=40,
-        intermediate_size=28,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        vocab_size=352, hidden_size=40, intermediate_size=28,
         head_dim=24,  # != hidden / heads
-        num_local_experts=5,
-        num_experts_per_tok=2,
-        sliding_window=12,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 150000.0,
-            "factor": 32.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 4096,
-        },
-        swiglu_limit=0.8,  # the gate/up std is ~0.7 here: some entries are clamped
-        attention_bias=True,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-        attn_implementation="eager",
-        experts_implementation="eager",
+        **GPT_OSS_COMMON,
     ),
 }
 # MXFP4 needs every expert input dimension to be a multiple of 32 (hidden and intermediate).
 MXFP4_NAME = "tiny_gpt_oss_mxfp4"
 MXFP4_SEED = 3456
 MXFP4_CFG = GptOssConfig(
-    vocab_size=288,
-    hidden_size=96,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=20,
-    num_local_experts=5,
-    num_experts_per_tok=2,
-    sliding_window=12,
-    layer_types=["sliding_attention", "full_attention"] * 2,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 150000.0,
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 4096,
-    },
-    swiglu_limit=0.8,
-    attention_bias=True,
-    tie_word_embeddings=False,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=2,
-    attn_implementation="eager",
-    experts_implementation="eager",
+    vocab_size=288, hidden_size=96, intermediate_size=64, head_dim=20, **GPT_OSS_COMMON
 )
 # config.json's quantization_config as openai/gpt-oss-20b (and -120b) ship it.
 MXFP4_QUANT = {
