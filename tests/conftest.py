@@ -16,3 +16,15 @@ def default_model_cache(tmp_path_factory):
         mp.setenv("AKV_JAX_CACHE", str(root))
         default_model_dir(progress=False)
         yield root
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_jax_caches():
+    """Drop compiled programs after each test module: the whole suite runs in one process,
+    and without this it accumulates every module's executables (GB of host memory by the
+    end; a late XLA compile once died with a segfault there). Each module compiles what it
+    uses anyway, so this costs nothing a module would not pay alone."""
+    yield
+    import jax
+
+    jax.clear_caches()
