@@ -259,7 +259,11 @@ def make_tiny(name: str) -> None:
     rng = np.random.default_rng(TINY_SEEDS[name] + 2)
     prompt = rng.integers(3, cfg.vocab_size, size=PROMPT_LEN).tolist()
     logits = model(torch.tensor([prompt])).logits[0].float().numpy()
-    cont = _greedy(model, prompt, NEW_TOKENS)
+    _save_golden(name, prompt, logits, _greedy(model, prompt, NEW_TOKENS))
+
+
+def _save_golden(name: str, prompt: list[int], logits: np.ndarray, cont: list[int]) -> None:
+    """One golden file: the prompt, its float32 logits and the greedy continuation."""
     top2 = np.sort(logits, axis=-1)[:, -2:]
     gap = np.min(top2[:, 1] - top2[:, 0])
     print(f"{name}: logits std {logits.std():.3f}, min top1-top2 gap {gap:.2e}")
@@ -328,16 +332,7 @@ def make_tiny_mxfp4() -> None:
     logits = loaded(torch.tensor([prompt])).logits[0].float().numpy()
     dense = model(torch.tensor([prompt])).logits[0].float().numpy()
     assert np.abs(logits - dense).max() == 0.0
-    cont = _greedy(loaded, prompt, NEW_TOKENS)
-    top2 = np.sort(logits, axis=-1)[:, -2:]
-    gap = np.min(top2[:, 1] - top2[:, 0])
-    print(f"{MXFP4_NAME}: logits std {logits.std():.3f}, min top1-top2 gap {gap:.2e}")
-    np.savez_compressed(
-        GOLDEN / f"{MXFP4_NAME}.npz",
-        prompt=np.asarray(prompt, np.int32),
-        logits=logits.astype(np.float32),
-        continuation=np.asarray(cont, np.int32),
-    )
+    _save_golden(MXFP4_NAME, prompt, logits, _greedy(loaded, prompt, NEW_TOKENS))
 
 
 def _gpt_oss_rope_cases() -> list[dict]:

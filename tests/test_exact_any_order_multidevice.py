@@ -28,17 +28,8 @@ def test_exact_in_any_order_multidevice(topology):
         pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
     cfg = tiny_config("qwen3")
     params = init_params(cfg, jax.random.key(1))
-    model = SimpleNamespace(cfg=cfg, params=params, tokenizer=None)
-    dm = DenseModel(params, cfg)
-    reqs = random_histories(np.random.default_rng(1), 24, vocab=cfg.vocab_size,
-                            answer=reference_answer(dm))
-    refs = dense_answers(dm, reqs)
-
-    def make_engine(**kw):
-        return Engine(model, attention_backend="reference", **topology, **kw)
-
-    stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7)
-    assert stats["evictions"] > 0 and stats["restores"] > 0
+    _check_protocol(SimpleNamespace(cfg=cfg, params=params, tokenizer=None), topology,
+                    num_requests=24, history_seed=1, order_seed=7)
 
 
 @pytest.mark.parametrize("topology", [
@@ -51,14 +42,21 @@ def test_gpt_oss_exact_in_any_order_multidevice(topology):
     protocol, against the dense reference."""
     if jax.device_count() < 4:
         pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
-    model = load_model("tiny-gpt-oss")
+    _check_protocol(load_model("tiny-gpt-oss"), topology,
+                    num_requests=8, history_seed=14, order_seed=14)
+
+
+def _check_protocol(model, topology: dict, num_requests: int, history_seed: int,
+                    order_seed: int) -> None:
+    """Random histories through exact_in_any_order on ``topology``, against the dense
+    reference; the small pool must really evict and restore."""
     dm = DenseModel(model.params, model.cfg)
-    reqs = random_histories(np.random.default_rng(14), 8, vocab=model.cfg.vocab_size,
-                            answer=reference_answer(dm))
+    reqs = random_histories(np.random.default_rng(history_seed), num_requests,
+                            vocab=model.cfg.vocab_size, answer=reference_answer(dm))
     refs = dense_answers(dm, reqs)
 
     def make_engine(**kw):
         return Engine(model, attention_backend="reference", **topology, **kw)
 
-    stats = exact_in_any_order(make_engine, model, reqs, refs, seed=14)
+    stats = exact_in_any_order(make_engine, model, reqs, refs, seed=order_seed)
     assert stats["evictions"] > 0 and stats["restores"] > 0
