@@ -25,6 +25,15 @@ GPT-OSS (DESIGN §2.1) adds, each written here from the spec and transformers' f
 * the MoE MLP, token by token: router logits plus bias, top-k, softmax over the k, the
   clamped SwiGLU ``(clip(up) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``,
   expert biases, the routing-weighted sum.
+
+MiniMax-M2 (DESIGN §2.1, transformers' ``modeling_minimax_m2``) adds:
+
+* partial rotary: only the first ``rotary_dim`` dims of each q/k head rotate (half-split
+  within them); the others are never touched, by append or by repos;
+* q/k RMSNorm over the whole projection (all heads at once), before the split into heads;
+* the MoE MLP, token by token: sigmoid scores, top-k on scores plus
+  ``e_score_correction_bias``, the chosen unbiased scores renormalised to sum 1, experts
+  ``silu(gate) * up``, no biases.
 """
 
 from __future__ import annotations
@@ -64,10 +73,16 @@ def _rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     # Same angle definition as transformers: float32(inv_freq_f32 * position).
     angle = (pos.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float32)
     angle = angle.astype(np.float64)[:, None, :]
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    half = len(inv_freq)  # one frequency per pair of rotary dims; the rest pass through
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     c, s = np.cos(angle), np.sin(angle)
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
+
+
+def _rms_over_heads(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of [T, H, Dh] over the flattened H*Dh (MiniMax-M2's q/k norm)."""
+    flat = x.reshape(x.shape[0], -1)
+    return _rms(flat, w.reshape(-1), eps).reshape(x.shape)
 
 
 def _window_mask(visible: np.ndarray, window: int | None) -> np.ndarray:
@@ -79,7 +94,23 @@ def _window_mask(visible: np.ndarray, window: int | None) -> np.ndarray:
     return visible & (rank <= window)
 
 
+def _moe_sigmoid(cfg: ModelConfig, lw: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        scores = 1 / (1 + np.exp(-(h[t] @ lw["router"])))
+        top = np.argsort(-(scores + lw["router_score_bias"]), kind="stable")
+        top = top[: cfg.num_experts_per_tok]
+        r = scores[top] / scores[top].sum()
+        for e, we in zip(top, r, strict=True):
+            gate = h[t] @ lw["expert_gate"][e]
+            act = gate / (1 + np.exp(-gate)) * (h[t] @ lw["expert_up"][e])
+            out[t] += we * (act @ lw["expert_down"][e])
+    return out
+
+
 def _moe(cfg: ModelConfig, lw: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
+    if cfg.sigmoid_router:
+        return _moe_sigmoid(cfg, lw, h)
     out = np.zeros_like(h)
     limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
     for t in range(h.shape[0]):
@@ -101,7 +132,8 @@ class DenseModel:
             assert cfg.sliding_window, "sliding layers need a window"
         self.cfg = cfg
         self.w = {k: np.asarray(v, np.float64) for k, v in params_to_arrays(params).items()}
-        self.inv_freq = hf_inv_freq(cfg.rope, cfg.head_dim)
+        # Partial rotary: frequencies over the rotary dims only (transformers' ``dim``).
+        self.inv_freq = hf_inv_freq(cfg.rope, cfg.rope_dim)
         self.attn_factor = float(cfg.rope.attention_scaling())
 
     def rotated_keys(self, st: DenseState) -> list[np.ndarray]:
@@ -137,6 +169,9 @@ class DenseModel:
             if cfg.qk_norm:
                 q = _rms(q, lw["q_norm"], cfg.rms_norm_eps)
                 k = _rms(k, lw["k_norm"], cfg.rms_norm_eps)
+            elif cfg.qk_norm_over_heads:
+                q = _rms_over_heads(q, lw["q_norm"], cfg.rms_norm_eps)
+                k = _rms_over_heads(k, lw["k_norm"], cfg.rms_norm_eps)
             keys_raw = np.concatenate([st.k_raw[layer], k])
             vals = np.concatenate([st.v[layer], v])
             k_raw.append(keys_raw)

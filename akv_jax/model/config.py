@@ -16,12 +16,15 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "GptOssForCausalLM": "gpt_oss",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
-MODEL_TYPES = ("llama", "qwen3", "gpt_oss")
+MODEL_TYPES = ("llama", "qwen3", "gpt_oss", "minimax_m2")
 # transformers' GptOssConfig defaults for fields the released config.json does not carry.
 GPT_OSS_SWIGLU_ALPHA = 1.702
 GPT_OSS_SWIGLU_LIMIT = 7.0
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# transformers' per-model ``default_theta`` where config.json gives none.
+DEFAULT_THETA = {"gpt_oss": 150000.0, "minimax_m2": 5000000.0}
 
 
 class ConfigError(ValueError):
@@ -112,7 +115,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama", "qwen3" or "gpt_oss"
+    arch: str  # "llama", "qwen3", "gpt_oss" or "minimax_m2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -136,10 +139,30 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA
     swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT
+    # Partial rotary (MiniMax-M2): only the first ``rotary_dim`` dims of each q/k head rotate
+    # (transformers' ``int(head_dim * partial_rotary_factor)``); None: all of them.
+    rotary_dim: int | None = None
 
     @property
     def qk_norm(self) -> bool:
         return self.arch == "qwen3"
+
+    @property
+    def qk_norm_over_heads(self) -> bool:
+        """MiniMax-M2's q/k RMSNorm: over the whole projection (all heads, weight [H*Dh])."""
+        return self.arch == "minimax_m2"
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dims of a head rotate (head_dim unless partial rotary)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def sigmoid_router(self) -> bool:
+        """MiniMax-M2's router: sigmoid scores, top-k chosen on scores plus
+        ``e_score_correction_bias``, the chosen scores renormalised; experts
+        ``silu(gate) * up`` with no biases."""
+        return self.arch == "minimax_m2"
 
     @property
     def is_moe(self) -> bool:
@@ -205,7 +228,13 @@ class ModelConfig:
         if self.layer_types is not None:
             out["layer_types"] = list(self.layer_types)
             out["sliding_window"] = self.sliding_window
-        if self.is_moe:
+        if self.is_moe and self.arch == "minimax_m2":
+            out.update(
+                num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok
+            )
+            if self.rotary_dim is not None:
+                rope["partial_rotary_factor"] = self.rotary_dim / self.head_dim
+        elif self.is_moe:
             out.update(
                 num_local_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
@@ -280,6 +309,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         extra = _gpt_oss_fields(cfg) if arch == "gpt_oss" else {}
+        if arch == "minimax_m2":
+            extra = _minimax_m2_fields(cfg, int(cfg.get("head_dim") or hidden // num_heads))
         return ModelConfig(
             arch=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -290,7 +321,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(cfg, 150000.0 if arch == "gpt_oss" else 10000.0),
+            rope=_rope_from_hf(cfg, DEFAULT_THETA.get(arch, 10000.0)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "gpt_oss")),
@@ -328,11 +359,41 @@ def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _minimax_m2_fields(cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The MiniMax-M2-only fields: experts, and the rotary width as transformers derives it
+    (``partial_rotary_factor`` from ``rope_parameters``, else the top level, else
+    ``rotary_dim / head_dim``; ``int(head_dim * factor)`` dims rotate)."""
+    experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 0)))
+    top_k = int(cfg.get("num_experts_per_tok", 0))
+    if not 0 < top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok {top_k} must be in 1..num_local_experts {experts}")
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if factor is None and cfg.get("rotary_dim") is not None:
+        factor = int(cfg["rotary_dim"]) / head_dim
+    rotary = head_dim if factor is None else int(head_dim * float(factor))
+    if not (0 < rotary <= head_dim and rotary % 2 == 0):
+        raise ConfigError(
+            f"partial rotary: {rotary} rotary dims of head_dim {head_dim} (need an even "
+            f"number in 2..head_dim)"
+        )
+    if cfg.get("use_qk_norm") is False:
+        raise ConfigError("MiniMax-M2 without use_qk_norm is not supported")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        rotary_dim=None if rotary == head_dim else rotary,
+    )
+
+
 def tiny_config(arch: str = "qwen3", vocab_size: int = 512) -> ModelConfig:
     """The small random model behind ``--model-path tiny`` (every dimension distinct), or
-    with ``arch="gpt_oss"`` the one behind ``tiny-gpt-oss`` (:func:`tiny_gpt_oss_config`)."""
+    with ``arch="gpt_oss"`` the one behind ``tiny-gpt-oss`` (:func:`tiny_gpt_oss_config`),
+    with ``arch="minimax_m2"`` ``tiny-minimax-m2`` (:func:`tiny_minimax_m2_config`)."""
     if arch == "gpt_oss":
         return tiny_gpt_oss_config(vocab_size)
+    if arch == "minimax_m2":
+        return tiny_minimax_m2_config(vocab_size)
     return ModelConfig(
         arch=arch,
         vocab_size=vocab_size,
@@ -380,4 +441,30 @@ def tiny_gpt_oss_config(vocab_size: int = 512) -> ModelConfig:
         sliding_window=8,
         num_experts=6,
         num_experts_per_tok=2,
+    )
+
+
+def tiny_minimax_m2_config(vocab_size: int = 512) -> ModelConfig:
+    """``--model-path tiny-minimax-m2``: 6 experts top-2 with the sigmoid router, q/k norm
+    over all heads, half the head dims rotary (as released: 64 of 128), theta 5e6."""
+    return ModelConfig(
+        arch="minimax_m2",
+        vocab_size=vocab_size,
+        hidden_size=48,
+        intermediate_size=40,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=5000000.0),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        # The released ids (200034 / 200020) lie outside a tiny vocabulary: the tokenizer's
+        # ``]~!b[`` and ``[e~[`` (ChatTokenizer.byte_level_minimax_m2) instead.
+        bos_token_id=vocab_size - 3,
+        eos_token_ids=(vocab_size - 1,),
+        num_experts=6,
+        num_experts_per_tok=2,
+        rotary_dim=8,
     )

@@ -1,5 +1,5 @@
-"""Pure forward pass of Llama-3 / Qwen3 / GPT-OSS decoders over a segment batch and a paged
-KV pool.
+"""Pure forward pass of Llama-3 / Qwen3 / GPT-OSS / MiniMax-M2 decoders over a segment batch
+and a paged KV pool.
 
 One function serves every path: prefill, decode, one-pass restore and plain causal
 prefill. Per layer it (1) computes q, k, v for the batch's tokens, (2) writes each token's
@@ -15,6 +15,10 @@ DESIGN §2.1) and two layer types with different windows: attention is then one 
 layer type (:class:`AttentionByType`) and the scan runs over groups of consecutive layers
 whose types repeat (one group = one period of ``layer_types``), so each layer of a group
 calls its own static function.
+
+MiniMax-M2 adds a q/k RMSNorm over all heads at once (:func:`rms_norm_over_heads`), partial
+rotary (the RoPE table's width: only the rotary dims of q and k rotate, here and in repos)
+and the sigmoid-routed MoE (:mod:`akv_jax.model.moe`).
 """
 
 from __future__ import annotations
@@ -119,6 +123,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, scale_in_f32: bool = F
     return weight * xf.astype(x.dtype)
 
 
+def rms_norm_over_heads(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """MiniMax-M2's q/k norm: transformers' RMSNorm over the whole projection ``x`` [T, H, Dh]
+    (all heads at once, weight [H, Dh]), before the split into heads. Under tensor
+    parallelism the heads are sharded: the mean over them is a cross-shard reduction, which
+    GSPMD inserts (an all-reduce of [T] partial sums per norm)."""
+    xf = x.astype(jnp.float32)
+    ms = jnp.mean(xf * xf, axis=(-2, -1), keepdims=True)
+    return weight * (xf * jax.lax.rsqrt(ms + eps)).astype(x.dtype)
+
+
 def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_scale_in_float32)
 
@@ -145,6 +159,9 @@ def attention_inputs(
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    elif cfg.qk_norm_over_heads:
+        q = rms_norm_over_heads(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm_over_heads(k, lp.k_norm, cfg.rms_norm_eps)
     return rope_scaled(q, q_positions, rope, cfg.rope.attention_scaling()), k, v
 
 

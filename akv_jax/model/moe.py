@@ -1,4 +1,5 @@
-"""GPT-OSS mixture-of-experts MLP: biased top-k router and clamped-SwiGLU experts.
+"""Mixture-of-experts MLPs: GPT-OSS's biased top-k router and clamped-SwiGLU experts, and
+MiniMax-M2's sigmoid router and SwiGLU experts.
 
 Formulas follow transformers' ``GptOssTopKRouter`` / ``GptOssExperts``:
 
@@ -9,6 +10,16 @@ Formulas follow transformers' ``GptOssTopKRouter`` / ``GptOssExperts``:
   ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``,
   then ``@ Wd_e + bd_e``;
 * the output is the routing-weighted sum over a token's k experts.
+
+MiniMax-M2 (transformers' ``MiniMaxM2TopKRouter`` / ``MiniMaxM2Experts``, :func:`route_sigmoid`):
+
+* scores ``sigmoid(float32(h @ router))`` over all experts; the top-k is chosen on
+  ``scores + e_score_correction_bias`` (the bias only chooses), and the chosen experts are
+  weighted by their *unbiased* scores divided by their sum (always renormalised; there is no
+  routed scaling factor);
+* expert ``e``: ``silu(h @ Wg_e) * (h @ Wu_e) @ Wd_e``, no biases (HF fuses gate and up as the
+  two halves of ``gate_up_proj``, the released checkpoint stores ``w1``/``w3``/``w2`` per
+  expert; the converter splits or stacks them).
 
 The experts run as grouped matmuls (:func:`akv_jax.pallas.grouped_matmul.grouped_matmul`:
 ``jax.lax.ragged_dot`` on GPU and TPU, a tiled scan on the CPU, whose ragged_dot lowering is
@@ -35,6 +46,18 @@ def route(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> tuple[jax.Array, j
     return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
 
 
+def route_sigmoid(
+    cfg: ModelConfig, lp: LayerParams, h: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """MiniMax-M2's router: (expert ids [T, k] int32, routing weights [T, k] float32)."""
+    logits = jnp.einsum("td,de->te", h, lp.router)
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    _, idx = jax.lax.top_k(scores + lp.router_score_bias.astype(jnp.float32),
+                           cfg.num_experts_per_tok)
+    chosen = jnp.take_along_axis(scores, idx, axis=-1)
+    return idx.astype(jnp.int32), chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+
+
 def clamped_swiglu(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
     limit = cfg.swiglu_limit
     gate = jnp.minimum(gate, limit)  # clamped above only, as in transformers
@@ -45,16 +68,22 @@ def clamped_swiglu(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Arra
 def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> jax.Array:
     """The MoE block on normed hidden states ``h`` [T, D] -> [T, D] (no residual)."""
     T, K, E = h.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-    experts, weights = route(cfg, lp, h)
+    experts, weights = (route_sigmoid if cfg.sigmoid_router else route)(cfg, lp, h)
     flat = experts.reshape(-1)  # [T*K], pair i is (token i // K, its (i % K)-th expert)
     order = jnp.argsort(flat, stable=True)
     expert_of = flat[order]
     token_of = order // K
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = h[token_of]  # [T*K, D], grouped by expert
-    gate = grouped_matmul(xs, lp.expert_gate, group_sizes) + lp.expert_gate_bias[expert_of]
-    up = grouped_matmul(xs, lp.expert_up, group_sizes) + lp.expert_up_bias[expert_of]
-    act = clamped_swiglu(cfg, gate, up).astype(h.dtype)
-    out = grouped_matmul(act, lp.expert_down, group_sizes) + lp.expert_down_bias[expert_of]
+    gate = grouped_matmul(xs, lp.expert_gate, group_sizes)
+    up = grouped_matmul(xs, lp.expert_up, group_sizes)
+    if cfg.sigmoid_router:  # MiniMax-M2: plain SwiGLU, no expert biases
+        act = (jax.nn.silu(gate) * up).astype(h.dtype)
+        out = grouped_matmul(act, lp.expert_down, group_sizes)
+    else:
+        gate = gate + lp.expert_gate_bias[expert_of]
+        up = up + lp.expert_up_bias[expert_of]
+        act = clamped_swiglu(cfg, gate, up).astype(h.dtype)
+        out = grouped_matmul(act, lp.expert_down, group_sizes) + lp.expert_down_bias[expert_of]
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
     return jnp.zeros((T, h.shape[1]), out.dtype).at[token_of].add(out).astype(h.dtype)

@@ -44,8 +44,8 @@ class LayerParams:
     wk: Any  # [L, D, Hkv, Dh]
     wv: Any  # [L, D, Hkv, Dh]
     wo: Any  # [L, Hq, Dh, D]
-    q_norm: Any  # [L, Dh] (Qwen3) or None
-    k_norm: Any  # [L, Dh] (Qwen3) or None
+    q_norm: Any  # [L, Dh] (Qwen3), [L, Hq, Dh] (MiniMax-M2: over all heads) or None
+    k_norm: Any  # [L, Dh] (Qwen3), [L, Hkv, Dh] (MiniMax-M2) or None
     mlp_norm: Any  # [L, D]
     w_gate: Any  # [L, D, F] (dense MLP) or None (MoE)
     w_up: Any  # [L, D, F] or None
@@ -66,6 +66,9 @@ class LayerParams:
     expert_up_bias: Any = None  # [L, E, F]
     expert_down: Any = None  # [L, E, F, D]
     expert_down_bias: Any = None  # [L, E, D]
+    # MiniMax-M2's router: ``e_score_correction_bias``, added to the sigmoid scores to choose
+    # the top-k only (GPT-OSS's ``router_bias`` is a logit bias).
+    router_score_bias: Any = None  # [L, E]
 
 
 @jax.tree_util.register_dataclass
@@ -82,6 +85,10 @@ class Params:
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         Hq, Hkv, Dh, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
         qk_norm = ArrayInfo((L, Dh), ("layer", "head_dim"), "ones") if cfg.qk_norm else None
+        q_norm = k_norm = qk_norm
+        if cfg.qk_norm_over_heads:  # one weight per (head, dim): the norm spans all heads
+            q_norm = ArrayInfo((L, Hq, Dh), ("layer", "q_heads", "head_dim"), "ones")
+            k_norm = ArrayInfo((L, Hkv, Dh), ("layer", "kv_heads", "head_dim"), "ones")
         dense = not cfg.is_moe
         layers = LayerParams(
             attn_norm=ArrayInfo((L, D), ("layer", "embed"), "ones"),
@@ -89,8 +96,8 @@ class Params:
             wk=ArrayInfo((L, D, Hkv, Dh), ("layer", "embed", "kv_heads", "head_dim")),
             wv=ArrayInfo((L, D, Hkv, Dh), ("layer", "embed", "kv_heads", "head_dim")),
             wo=ArrayInfo((L, Hq, Dh, D), ("layer", "q_heads", "head_dim", "embed")),
-            q_norm=qk_norm,
-            k_norm=qk_norm,
+            q_norm=q_norm,
+            k_norm=k_norm,
             mlp_norm=ArrayInfo((L, D), ("layer", "embed"), "ones"),
             w_gate=ArrayInfo((L, D, F), ("layer", "embed", "ffw")) if dense else None,
             w_up=ArrayInfo((L, D, F), ("layer", "embed", "ffw")) if dense else None,
@@ -127,6 +134,14 @@ def _moe_params(cfg: ModelConfig) -> dict[str, ArrayInfo]:
     if not cfg.is_moe:
         return {}
     L, D, F, E = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    if cfg.sigmoid_router:  # MiniMax-M2: no biases but the router's score correction
+        return dict(
+            router=ArrayInfo((L, D, E), ("layer", "embed", "expert")),
+            router_score_bias=ArrayInfo((L, E), ("layer", "expert")),
+            expert_gate=ArrayInfo((L, E, D, F), ("layer", "expert", "embed", "ffw")),
+            expert_up=ArrayInfo((L, E, D, F), ("layer", "expert", "embed", "ffw")),
+            expert_down=ArrayInfo((L, E, F, D), ("layer", "expert", "ffw", "embed")),
+        )
     return dict(
         router=ArrayInfo((L, D, E), ("layer", "embed", "expert")),
         router_bias=ArrayInfo((L, E), ("layer", "expert")),

@@ -9,7 +9,9 @@ rounding. The table type and the rotations that read it (``apply_rope``, the rep
 No attention scaling factor is applied: the tables are pure rotations. YaRN's attention factor
 (:meth:`RopeConfig.attention_scaling`) is applied by the forward when it rotates q and k
 (``forward.rope_scaled``), as transformers does, so stored keys carry it exactly once and the
-repos rotation by these unscaled tables moves them exactly (DESIGN §2.1).
+repos rotation by these unscaled tables moves them exactly (DESIGN §2.1). A partial rotary
+model's table covers its rotary dims only (``cfg.rope_dim``): the rotations then leave the
+other dims alone (:mod:`akv_jax.pallas.rotary`).
 """
 
 from __future__ import annotations
@@ -41,4 +43,6 @@ def make_rope_table(rope: RopeConfig, head_dim: int, max_positions: int) -> Rope
 
 
 def rope_table_for(cfg: ModelConfig, max_positions: int | None = None) -> RopeTable:
-    return make_rope_table(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+    """The table of ``cfg``: ``cfg.rope_dim / 2`` columns (frequencies over the rotary dims
+    only, as transformers computes them for a partial rotary factor)."""
+    return make_rope_table(cfg.rope, cfg.rope_dim, max_positions or cfg.max_position_embeddings)

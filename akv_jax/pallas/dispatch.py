@@ -103,7 +103,8 @@ def make_repos_fn(
 
     def repos(k_pages, pages, old_pos, new_pos, table):
         _, ps, _, dh = k_pages.shape
-        if impl == "gpu" and backend == "auto" and not repos_lib.gpu_supports(ps, dh):
+        r = table.rotary_dim
+        if impl == "gpu" and backend == "auto" and not repos_lib.gpu_supports(ps, dh, r):
             return repos_reference(k_pages, pages, old_pos, new_pos, table)
         return repos_lib.repos_pallas(
             k_pages, pages, old_pos, new_pos, table, body=impl, interpret=interpret

@@ -8,6 +8,10 @@ new position, combined by the difference formulas in float32), so the kernel mat
 ``delta * inv_freq`` angle would be off by ~1e-3 rad at 32k. Only ``[N, page_size, Dh]`` of
 angles travel, against ``[N, page_size, Hkv, Dh]`` keys read and written.
 
+Partial rotary (DESIGN §2.1): a table of ``r/2 < Dh/2`` columns rotates the first ``r`` dims of
+each key and leaves the others' bits untouched (the GPU body never stores them; the TPU body
+multiplies them by cos 1 and sin 0, exact).
+
 The key pool is aliased input -> output and only listed pages are written, so every other
 page keeps its bits. For a real in-place update call it under ``jax.jit(...,
 donate_argnums=...)`` (or inside the step that owns the pool). Listed pages must be distinct;
@@ -41,13 +45,15 @@ from akv_jax.pallas.rotary import RopeTable, rotation_tables
 # ----------------------------------------------------------------------------------------- GPU
 
 
-def gpu_supports(page_size: int, head_dim: int) -> bool:
-    """Triton tensors are power-of-two sized: page size and half the head dim must be."""
-    return is_pow2(page_size) and head_dim % 2 == 0 and is_pow2(head_dim // 2)
+def gpu_supports(page_size: int, head_dim: int, rotary_dim: int | None = None) -> bool:
+    """Triton tensors are power-of-two sized: page size and half the rotary dims (the head
+    dim unless partial rotary) must be."""
+    r = head_dim if rotary_dim is None else rotary_dim
+    return is_pow2(page_size) and r % 2 == 0 and is_pow2(r // 2)
 
 
 def _repos_gpu_kernel(pages_ref, cos_ref, sin_ref, k_ref, o_ref):
-    # pages_ref [N]; cos_ref, sin_ref [ps, Dh/2] (this page); k_ref, o_ref [P, ps, Hkv, Dh]
+    # pages_ref [N]; cos_ref, sin_ref [ps, r/2] (this page); k_ref, o_ref [P, ps, Hkv, Dh]
     # (one buffer: aliased; read the input, write the output).
     half = cos_ref.shape[-1]
     page = pages_ref[pl.program_id(0)]
@@ -64,13 +70,14 @@ def _repos_gpu_kernel(pages_ref, cos_ref, sin_ref, k_ref, o_ref):
 
 def _repos_gpu(k_pages, pages, cos, sin, *, interpret: bool):
     P, ps, Hkv, Dh = k_pages.shape
-    if not gpu_supports(ps, Dh):
+    half = cos.shape[-1]
+    if not gpu_supports(ps, Dh, 2 * half):
         raise ValueError(
-            f"the GPU repos kernel needs power-of-two page size and head_dim/2: {ps}, {Dh}"
+            f"the GPU repos kernel needs power-of-two page size and rotary_dim/2: {ps}, {half}"
         )
     N = pages.shape[0]
     whole = pl.BlockSpec(k_pages.shape, lambda n, h: (0, 0, 0, 0))
-    tab = pl.BlockSpec((None, ps, Dh // 2), lambda n, h: (n, 0, 0))
+    tab = pl.BlockSpec((None, ps, half), lambda n, h: (n, 0, 0))
     return pl.pallas_call(
         _repos_gpu_kernel,
         grid=(N, Hkv),
@@ -87,8 +94,9 @@ def _repos_gpu(k_pages, pages, cos, sin, *, interpret: bool):
 # ----------------------------------------------------------------------------------------- TPU
 
 
-def _repos_tpu_kernel(pages_ref, cos_ref, sin_ref, k_hbm, o_hbm, buf, sem):
-    # pages_ref [N] (SMEM); cos_ref/sin_ref [ps, Dh] full-width (cos|cos, -sin|sin);
+def _repos_tpu_kernel(pages_ref, cos_ref, sin_ref, k_hbm, o_hbm, buf, sem, *, half):
+    # pages_ref [N] (SMEM); cos_ref/sin_ref [ps, Dh] full-width (cos|cos, -sin|sin; partial
+    # rotary: [cos|cos|1, -sin|0|0] and a second sin table [0|sin|0]);
     # k_hbm/o_hbm the aliased pool in HBM; buf [ps, Hkv, Dh] VMEM.
     del k_hbm  # same buffer as o_hbm; reading through the output keeps one name for it
     page = pages_ref[pl.program_id(0)]
@@ -99,11 +107,20 @@ def _repos_tpu_kernel(pages_ref, cos_ref, sin_ref, k_hbm, o_hbm, buf, sem):
         copy_in.start()
         copy_in.wait()
         c, s = cos_ref[...], sin_ref[...]  # [ps, Dh]
+        dh = buf.shape[-1]
         for h in range(buf.shape[1]):  # static; 2-D [ps, Dh] tiles, the same as attention's
             x = buf[:, h, :].astype(jnp.float32)
-            # rotate_half without lane slicing: rolling by Dh/2 swaps the halves.
-            swapped = pltpu.roll(x, x.shape[-1] // 2, 1)
-            buf[:, h, :] = (x * c + swapped * s).astype(buf.dtype)
+            if 2 * half == dh:
+                # rotate_half without lane slicing: rolling by Dh/2 swaps the halves.
+                swapped = pltpu.roll(x, half, 1)
+                buf[:, h, :] = (x * c + swapped * s).astype(buf.dtype)
+            else:
+                # Partial rotary: lane i < half takes -x[i + half] * sin (roll by Dh - half),
+                # lane half <= i < 2 half takes x[i - half] * sin (roll by half).
+                s_lo, s_hi = s[:, :dh], s[:, dh:]
+                ahead = pltpu.roll(x, dh - half, 1)
+                behind = pltpu.roll(x, half, 1)
+                buf[:, h, :] = (x * c + ahead * s_lo + behind * s_hi).astype(buf.dtype)
         copy_out = pltpu.make_async_copy(buf, o_hbm.at[page], sem)
         copy_out.start()
         copy_out.wait()
@@ -111,16 +128,27 @@ def _repos_tpu_kernel(pages_ref, cos_ref, sin_ref, k_hbm, o_hbm, buf, sem):
 
 def _repos_tpu(k_pages, pages, cos, sin, *, interpret):
     P, ps, Hkv, Dh = k_pages.shape
-    cos_full = jnp.concatenate([cos, cos], axis=-1)
-    sin_full = jnp.concatenate([-sin, sin], axis=-1)  # x*cos + swap(x)*sin == rerotate
+    half = cos.shape[-1]
+    if 2 * half == Dh:
+        cos_full = jnp.concatenate([cos, cos], axis=-1)
+        sin_full = jnp.concatenate([-sin, sin], axis=-1)  # x*cos + swap(x)*sin == rerotate
+    else:  # partial rotary: the pass-through lanes get cos 1, sin 0 (exact)
+        ones = jnp.ones((*cos.shape[:-1], Dh - 2 * half), cos.dtype)
+        zeros, zh = jnp.zeros_like(ones), jnp.zeros_like(sin)
+        cos_full = jnp.concatenate([cos, cos, ones], axis=-1)
+        sin_full = jnp.concatenate(
+            [-sin, zh, zeros, zh, sin, zeros], axis=-1
+        )  # [ps, 2 Dh]: the lo table, then the hi table
+    w = sin_full.shape[-1]
     tab = pl.BlockSpec((None, ps, Dh), lambda n, pages_ref: (n, 0, 0))
+    stab = pl.BlockSpec((None, ps, w), lambda n, pages_ref: (n, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        _repos_tpu_kernel,
+        functools.partial(_repos_tpu_kernel, half=half),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(pages.shape[0],),
-            in_specs=[tab, tab, any_spec],
+            in_specs=[tab, stab, any_spec],
             out_specs=any_spec,
             scratch_shapes=[pltpu.VMEM((ps, Hkv, Dh), k_pages.dtype), pltpu.SemaphoreType.DMA],
         ),
