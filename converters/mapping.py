@@ -37,6 +37,9 @@ class Target:
     # Further params filled from the same tensor (GPT-OSS's interleaved gate_up_proj fills
     # both the expert gate and up weights): (path, transform) pairs.
     extra: tuple[tuple[str, Transform], ...] = ()
+    # One expert of a per-expert checkpoint tensor (MiniMax-M2's ``experts.{e}.w1``): the
+    # tensor fills ``[layer, expert]`` of the stacked param; None: the whole layer slice.
+    expert: int | None = None
 
     def outputs(self) -> tuple[tuple[str, Transform], ...]:
         return ((self.path, self.transform), *self.extra)
@@ -211,6 +214,85 @@ _RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform
     ),
 ]
 _COMPILED = [(re.compile(pat), path, shape, fn) for pat, path, shape, fn in _RULES]
+
+
+def _mm_first(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    # HF MiniMax-M2 gate_up_proj [E, 2F, D]: gate is the first half (``chunk(2, dim=-1)``)
+    return np.ascontiguousarray(w[:, : cfg.intermediate_size].transpose(0, 2, 1))
+
+
+def _mm_second(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return np.ascontiguousarray(w[:, cfg.intermediate_size :].transpose(0, 2, 1))
+
+
+def _swap_last(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return np.ascontiguousarray(w.transpose(0, 2, 1))  # [E, D, F] -> [E, F, D]
+
+
+def _norm_heads(n_heads: Callable[[ModelConfig], int]) -> Transform:
+    # MiniMax-M2's q/k norm weight over the whole projection: [H*Dh] -> [H, Dh]
+    return lambda w, cfg: w.reshape(n_heads(cfg), cfg.head_dim)
+
+
+_MOE = r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)"
+# MiniMax-M2, tried before _RULES for that architecture. Two layouts are accepted: the
+# released one, which transformers 5.24's save_pretrained also writes (``block_sparse_moe``,
+# one ``w1``/``w3``/``w2`` [out, in] tensor per expert: group 2 is the expert), and
+# transformers' in-memory one (``mlp.experts.gate_up_proj`` [E, 2F, D], gate first, and
+# ``down_proj`` [E, D, F]).
+_MINIMAX_RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform]] = [
+    (
+        r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight",
+        "layers.q_norm",
+        lambda c: (c.num_heads * c.head_dim,),
+        _norm_heads(_Q),
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight",
+        "layers.k_norm",
+        lambda c: (c.num_kv_heads * c.head_dim,),
+        _norm_heads(_KV),
+    ),
+    (_MOE + r"\.gate\.weight", "layers.router", lambda c: (c.num_experts, c.hidden_size), _t),
+    (
+        _MOE + r"\.(?:gate\.)?e_score_correction_bias",
+        "layers.router_score_bias",
+        lambda c: (c.num_experts,),
+        _ident,
+    ),
+    (
+        _MOE + r"\.experts\.(\d+)\.w1\.weight",
+        "layers.expert_gate",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _t,
+    ),
+    (
+        _MOE + r"\.experts\.(\d+)\.w3\.weight",
+        "layers.expert_up",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _t,
+    ),
+    (
+        _MOE + r"\.experts\.(\d+)\.w2\.weight",
+        "layers.expert_down",
+        lambda c: (c.hidden_size, c.intermediate_size),
+        _t,
+    ),
+    (
+        _MOE + r"\.experts\.gate_up_proj",
+        "layers.expert_gate",
+        lambda c: (c.num_experts, 2 * c.intermediate_size, c.hidden_size),
+        _mm_first,
+    ),
+    (
+        _MOE + r"\.experts\.down_proj",
+        "layers.expert_down",
+        lambda c: (c.num_experts, c.hidden_size, c.intermediate_size),
+        _swap_last,
+    ),
+]
+_MINIMAX_COMPILED = [(re.compile(pat), path, shape, fn) for pat, path, shape, fn in _MINIMAX_RULES]
+_MINIMAX_EXTRA = {"layers.expert_gate": (("layers.expert_up", _mm_second),)}
 # The odd half of an interleaved tensor: param path -> (path it rides with, transform).
 _EXTRA = {
     "layers.expert_gate": (("layers.expert_up", _odd),),
@@ -240,6 +322,10 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         return None
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None  # some tied checkpoints store the (identical) head anyway
+    if cfg.arch == "minimax_m2":
+        tgt = _minimax_target(name, cfg)
+        if tgt is not None:
+            return tgt
     for pat, path, shape, fn in _COMPILED:
         m = pat.fullmatch(name)
         if m is None:
@@ -255,8 +341,40 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     raise ConversionError(f"unexpected tensor {name} (not part of a supported {cfg.arch} model)")
 
 
-def hf_name_for(path: str, layer: int | None) -> str:
+def _minimax_target(name: str, cfg: ModelConfig) -> Target | None:
+    for pat, path, shape, fn in _MINIMAX_COMPILED:
+        m = pat.fullmatch(name)
+        if m is None:
+            continue
+        layer = int(m.group(1))
+        if not 0 <= layer < cfg.num_layers:
+            raise ConversionError(
+                f"tensor {name}: layer {layer} >= num_hidden_layers {cfg.num_layers}"
+            )
+        expert = int(m.group(2)) if len(m.groups()) > 1 else None
+        if expert is not None and not 0 <= expert < cfg.num_experts:
+            raise ConversionError(
+                f"tensor {name}: expert {expert} >= num_local_experts {cfg.num_experts}"
+            )
+        extra = _MINIMAX_EXTRA.get(path, ()) if expert is None else ()
+        return Target(path, layer, shape(cfg), fn, extra, expert)
+    return None
+
+
+# MiniMax-M2 params -> the released tensor names (for error messages).
+_MINIMAX_NAMES = {
+    "layers.router": "block_sparse_moe.gate.weight",
+    "layers.router_score_bias": "block_sparse_moe.e_score_correction_bias",
+    "layers.expert_gate": "block_sparse_moe.experts.{e}.w1.weight",
+    "layers.expert_up": "block_sparse_moe.experts.{e}.w3.weight",
+    "layers.expert_down": "block_sparse_moe.experts.{e}.w2.weight",
+}
+
+
+def hf_name_for(path: str, layer: int | None, arch: str | None = None) -> str:
     """The HF tensor name that fills param ``path`` (at ``layer``): for error messages."""
+    if arch == "minimax_m2" and path in _MINIMAX_NAMES:
+        return f"model.layers.{layer}.{_MINIMAX_NAMES[path]}"
     for base, extra in _EXTRA.items():
         if any(path == p for p, _ in extra):
             path = base

@@ -28,6 +28,24 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ``tiny-minimax-m2``'s template: the structure of MiniMax-M2's released template (a
+# ``]~!b[`` BOS, ``]~b]ROLE\n ... [e~[\n`` messages with the assistant role named ``ai``, a
+# default system message when the chat has none, tool results inside ``<response>``, and a
+# generation prompt opening ``<think>``), without its tool-call and reasoning rendering.
+MINIMAX_M2_TINY_TEMPLATE = (
+    "{{ ']~!b[' }}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ ']~b]system\nYou are a helpful assistant.[e~[\n' }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ ']~b]ai\n' + message['content'] + '[e~[\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ ']~b]tool\n<response>' + message['content'] + '</response>[e~[\n' }}"
+    "{% else %}{{ ']~b]' + message['role'] + '\n' + message['content'] + '[e~[\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ ']~b]ai\n<think>\n' }}{% endif %}"
+)
+MINIMAX_M2_TINY_SPECIALS = ("]~!b[", "]~b]", "[e~[")
+
 
 class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}``: transformers' assistant-mask tag, rendered

@@ -33,6 +33,8 @@ from tokenizers import Tokenizer
 from akv_jax.model.byte_bpe import byte_tokenizer, gguf_tokenizer
 from akv_jax.model.chat_template import (
     CHATML_TEMPLATE,
+    MINIMAX_M2_TINY_SPECIALS,
+    MINIMAX_M2_TINY_TEMPLATE,
     Message,
     alias_reasoning,
     compile_chat_template,
@@ -113,6 +115,18 @@ class ChatTokenizer:
             raise TokenizerError(str(e)) from None
         special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": None}
         return cls(tok, CHATML_TEMPLATE, special)
+
+    @classmethod
+    def byte_level_minimax_m2(cls, vocab_size: int) -> ChatTokenizer:
+        """The byte tokenizer with MiniMax-M2's chat structure (``tiny-minimax-m2``): the last
+        three ids ``]~!b[`` (BOS), ``]~b]`` (role start), ``[e~[`` (message end, the EOS)."""
+        try:
+            tok = byte_tokenizer(vocab_size, list(MINIMAX_M2_TINY_SPECIALS))
+        except ValueError as e:
+            raise TokenizerError(str(e)) from None
+        bos, _, eos = MINIMAX_M2_TINY_SPECIALS
+        special = {"bos_token": bos, "eos_token": eos, "unk_token": None}
+        return cls(tok, MINIMAX_M2_TINY_TEMPLATE, special)
 
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into ``path``."""
