@@ -12,7 +12,7 @@ dependency). The environment the committed fixtures were made in, and the comman
 (On a machine without a GPU, ``--index-url https://download.pytorch.org/whl/cpu`` on the torch
 line avoids the CUDA wheels; the fixtures are computed on the CPU in float32 either way.)
 
-It writes, under ``tests/fixtures/`` (total well under 5 MB; never edit these by hand, rerun):
+It writes, under ``tests/fixtures/`` (total under 6 MB; never edit these by hand, rerun):
 
 * ``tiny_qwen3/``: a random Qwen3 checkpoint (tied embeddings, qk-norm, default RoPE), saved by
   ``save_pretrained`` as one ``model.safetensors`` + ``config.json``.
@@ -23,6 +23,11 @@ It writes, under ``tests/fixtures/`` (total well under 5 MB; never edit these by
   top-2, YaRN factor 32 as released; sinks and router biases drawn N(0, 1) and the attention
   and expert biases N(0, 0.1) so each matters, a SwiGLU limit low enough that the clamps bite.
   Computed with the eager attention and experts (the reference implementations).
+* ``tiny_minimax_m2/``: a random MiniMax-M2 checkpoint as transformers 5.24 saves it, which is
+  the released layout (``block_sparse_moe.experts.{e}.w1/w2/w3`` per expert, ``gate``,
+  ``e_score_correction_bias`` drawn N(0, 0.3)), *sharded*; 6 experts top-2, q/k norm over all
+  heads, ``rotary_dim`` 16 of head_dim 32 (partial rotary 0.5 as released), theta 5e6; eager
+  attention and experts.
 * ``tiny_gpt_oss_mxfp4/``: a random GPT-OSS checkpoint in the layout GPT-OSS is released in:
   expert weights as MXFP4 ``*_blocks`` / ``*_scales`` (quantised in numpy with
   ``converters/mxfp4.py``'s :func:`quantize`, loaded by path: it is numpy only) and config.json's
@@ -31,7 +36,7 @@ It writes, under ``tests/fixtures/`` (total well under 5 MB; never edit these by
   transformers loading the folder with ``Mxfp4Config(dequantize=True)`` (float32, CPU), checked
   to equal the unquantised model with its experts replaced by the dequantised weights.
 * ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``, ``golden/tiny_gpt_oss.npz``,
-  ``golden/tiny_gpt_oss_mxfp4.npz``: a random
+  ``golden/tiny_gpt_oss_mxfp4.npz``, ``golden/tiny_minimax_m2.npz``: a random
   prompt of 320 ids, transformers' float32 logits at every position, and the 16-token greedy
   continuation.
 * ``golden/gpt_oss_rope.json``: GPT-OSS config.json variants (the released legacy form with
@@ -66,6 +71,8 @@ from transformers import (
     GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MiniMaxM2Config,
+    MiniMaxM2ForCausalLM,
     Mxfp4Config,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -154,6 +161,29 @@ TINY = {
         head_dim=24,  # != hidden / heads
         **GPT_OSS_COMMON,
     ),
+    # MiniMax-M2: 6 experts top-2 (sigmoid router, e_score_correction_bias), q/k norm over all
+    # heads, partial rotary: rotary_dim 16 of head_dim 32, the released form (64 of 128).
+    "tiny_minimax_m2": MiniMaxM2Config(
+        vocab_size=320,
+        hidden_size=36,
+        intermediate_size=20,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rotary_dim=16,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        bos_token_id=1,  # the released ids (200034 / 200020) lie outside a tiny vocabulary
+        eos_token_id=2,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    ),
 }
 # MXFP4 needs every expert input dimension to be a multiple of 32 (hidden and intermediate).
 MXFP4_NAME = "tiny_gpt_oss_mxfp4"
@@ -175,10 +205,14 @@ TINY_CLASSES = {
     "tiny_qwen3": Qwen3ForCausalLM,
     "tiny_llama": LlamaForCausalLM,
     "tiny_gpt_oss": GptOssForCausalLM,
+    "tiny_minimax_m2": MiniMaxM2ForCausalLM,
 }
-TINY_SEEDS = {"tiny_qwen3": 1234, "tiny_llama": 5678, "tiny_gpt_oss": 9012}
-# Sharded output for the Llama checkpoint, so the converter's index.json path has a fixture.
-TINY_SHARD = {"tiny_qwen3": None, "tiny_llama": "150KB", "tiny_gpt_oss": None}
+TINY_SEEDS = {"tiny_qwen3": 1234, "tiny_llama": 5678, "tiny_gpt_oss": 9012, "tiny_minimax_m2": 3141}
+# Sharded output for the Llama and MiniMax-M2 checkpoints, so the converter's index.json path
+# has fixtures (MiniMax-M2's per-expert tensors then spread over several files).
+TINY_SHARD = {
+    "tiny_qwen3": None, "tiny_llama": "150KB", "tiny_gpt_oss": None, "tiny_minimax_m2": "100KB"
+}
 
 CHATS = [
     {
@@ -227,6 +261,16 @@ def _randomize_gpt_oss(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
+def _randomize_minimax_m2(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """e_score_correction_bias N(0, 0.3) (HF initialises it to zero; a zero bias would let a
+    missing or misapplied one pass): large enough to change some tokens' top-2, small
+    enough that the scores still matter."""
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+
+
 @torch.no_grad()
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     """n greedy tokens with the KV cache, never stopping early (no EOS check)."""
@@ -250,6 +294,8 @@ def make_tiny(name: str) -> None:
     _perturb_norms(model, gen)
     if name == "tiny_gpt_oss":
         _randomize_gpt_oss(model, gen)
+    if name == "tiny_minimax_m2":
+        _randomize_minimax_m2(model, gen)
     out_dir = ROOT / name
     shutil.rmtree(out_dir, ignore_errors=True)
     kwargs = {"max_shard_size": TINY_SHARD[name]} if TINY_SHARD[name] else {}

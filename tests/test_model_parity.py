@@ -29,8 +29,12 @@ from converters.loading import load_model
 #   is 0.021 (median 0.016). The tail is routing: at 9 of the 320 positions bf16 picks another
 #   top-2 expert set than float32 in some layer (near-tied router logits, a discrete jump);
 #   those positions hold the max 0.34, all others stay within 0.026. Argmax agreement 98.8%.
+#   tiny_minimax_m2 max |diff| 0.27 (std 0.58), 90th percentile 0.023 (median 0.018), the tail
+#   again routing (sigmoid scores plus the correction bias, near-tied); argmax agreement 97.2%.
 # Bounds are ~2x / ~1.5x the measured maxima, and agreement a few points under the minimum.
-BF16_TINY_ATOL = {"tiny_qwen3": 0.15, "tiny_llama": 0.15, "tiny_gpt_oss": 0.7}
+BF16_TINY_ATOL = {
+    "tiny_qwen3": 0.15, "tiny_llama": 0.15, "tiny_gpt_oss": 0.7, "tiny_minimax_m2": 0.5
+}
 # 90th percentile of the per-position max |diff|: the bulk, with routing flips left out.
 BF16_TINY_P90 = 0.05
 BF16_SMOLLM2_ATOL = 1.5
