@@ -1,6 +1,8 @@
-"""The GPT-OSS MoE layer: grouped matmuls (ragged_dot) against a dense all-experts einsum.
+"""The GPT-OSS MoE layer: grouped matmuls (ragged_dot) against a dense all-experts einsum;
+and a row per token count for MiniMax-M2's sigmoid-routed layer.
 
     python bench/moe.py [--tokens 64 256] [--scale 4] [--repeats 7] [--dtype bfloat16]
+                        [--minimax-scale 8]
 
 Shapes are GPT-OSS-20B's MLP (hidden 2880, expert width 2880, 32 experts, top-4) divided by
 ``--scale`` in the two widths (rounded down to a multiple of 32, an MXFP4 block; the expert
@@ -22,7 +24,13 @@ the same function). Memory: the bytes the expert weights take on the device dequ
 placed on the device the same way. (Serving with packed experts, ``--moe-weight-format
 mxfp4``, is not built yet: this is the layout's footprint, not a serving run.)
 
-Results go to bench/results/moe.json (all runs kept); the last line printed is the summary.
+**MiniMax-M2 rows**: the same grouped-vs-dense comparison for MiniMax-M2's layer (sigmoid
+router with ``e_score_correction_bias``, ``silu(gate) * up`` experts, no biases) at
+MiniMax-M2's shapes (hidden 3072, expert width 1536, 256 experts, top-8) with both widths
+divided by ``--minimax-scale``: 256 experts make the dense baseline 32x the routed work.
+
+Results go to bench/results/moe.json (all runs kept); the last line printed is the GPT-OSS
+summary.
 """
 
 from __future__ import annotations
@@ -43,12 +51,14 @@ import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
 
 from akv_jax.model.config import tiny_config
-from akv_jax.model.moe import clamped_swiglu, moe_mlp, route
+from akv_jax.model.moe import clamped_swiglu, moe_mlp, route, route_sigmoid
+from akv_jax.model.params import LayerParams
 from akv_jax.pallas import grouped_matmul as gmm
 from converters import mxfp4
 
 HERE = Path(__file__).resolve().parent
 GPT_OSS_20B = dict(hidden=2880, expert_width=2880, experts=32, top_k=4)
+MINIMAX_M2 = dict(hidden=3072, expert_width=1536, experts=256, top_k=8)
 
 
 def make_layer(cfg, rng: np.random.Generator, dtype) -> SimpleNamespace:
@@ -76,6 +86,65 @@ def dense_all_experts(cfg, lp, h: jax.Array) -> jax.Array:
     act = clamped_swiglu(cfg, gate, up).astype(h.dtype)
     out = jnp.einsum("tef,efd->ted", act, lp.expert_down) + lp.expert_down_bias
     return jnp.einsum("ted,te->td", out, dense_w.astype(out.dtype)).astype(h.dtype)
+
+
+def make_minimax_layer(cfg, rng: np.random.Generator, dtype) -> LayerParams:
+    """MiniMax-M2's router and experts as a LayerParams pytree (passed to jit as an argument,
+    not folded in as a constant)."""
+    D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+
+    def w(*shape, fan_in):
+        return jnp.asarray(rng.normal(0, fan_in**-0.5, shape), dtype)
+
+    none = dict.fromkeys(("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm",
+                          "w_gate", "w_up", "w_down"))
+    return LayerParams(
+        **none, router=w(D, E, fan_in=D),
+        router_score_bias=jnp.asarray(rng.normal(0, 0.1, E), dtype),
+        expert_gate=w(E, D, F, fan_in=D), expert_up=w(E, D, F, fan_in=D),
+        expert_down=w(E, F, D, fan_in=F),
+    )
+
+
+def dense_all_experts_minimax(cfg, lp, h: jax.Array) -> jax.Array:
+    """MiniMax-M2's layer with every token through every expert."""
+    experts, weights = route_sigmoid(cfg, lp, h)
+    dense_w = jnp.zeros((h.shape[0], cfg.num_experts), jnp.float32)
+    dense_w = dense_w.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)
+    gate = jnp.einsum("td,edf->tef", h, lp.expert_gate)
+    up = jnp.einsum("td,edf->tef", h, lp.expert_up)
+    act = (jax.nn.silu(gate) * up).astype(h.dtype)
+    out = jnp.einsum("tef,efd->ted", act, lp.expert_down)
+    return jnp.einsum("ted,te->td", out, dense_w.astype(out.dtype)).astype(h.dtype)
+
+
+def minimax_rows(args, dtype, rng: np.random.Generator) -> tuple[dict, list[dict]]:
+    """Grouped vs dense all-experts for MiniMax-M2's sigmoid-routed layer, per token count."""
+    hidden = MINIMAX_M2["hidden"] // args.minimax_scale
+    width = MINIMAX_M2["expert_width"] // args.minimax_scale
+    cfg = dataclasses.replace(
+        tiny_config("minimax_m2"), hidden_size=hidden, intermediate_size=width,
+        num_experts=MINIMAX_M2["experts"], num_experts_per_tok=MINIMAX_M2["top_k"],
+    )
+    lp = make_minimax_layer(cfg, rng, dtype)
+    grouped = jax.jit(lambda lp, h: moe_mlp(cfg, lp, h))
+    dense = jax.jit(lambda lp, h: dense_all_experts_minimax(cfg, lp, h))
+    rows = []
+    for T in args.tokens:
+        h = jnp.asarray(rng.normal(0, 1, (T, hidden)), dtype)
+        diff = float(jnp.max(jnp.abs(grouped(lp, h).astype(jnp.float32)
+                                     - dense(lp, h).astype(jnp.float32))))
+        t_grouped = timed(grouped, lp, h, repeats=args.repeats)
+        t_dense = timed(dense, lp, h, repeats=args.repeats)
+        rows.append(dict(tokens=T, grouped_s=t_grouped, dense_s=t_dense,
+                         grouped_tok_s=T / t_grouped, dense_tok_s=T / t_dense,
+                         ratio=t_dense / t_grouped, max_abs_diff=diff))
+        print(f"MiniMax-M2 sigmoid router T={T:5d}: grouped {T / t_grouped:8.1f} tok/s, "
+              f"dense all-experts {T / t_dense:8.1f}: grouped {t_dense / t_grouped:.2f}x "
+              f"of dense; max |diff| {diff:.2e}")
+    shape = dict(hidden=hidden, expert_width=width, experts=cfg.num_experts,
+                 top_k=cfg.num_experts_per_tok)
+    return shape, rows
 
 
 def _with_xla_ragged_dot(cfg, lp, h: jax.Array) -> jax.Array:
@@ -116,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=int, default=4, help="divide GPT-OSS-20B's widths by this")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--minimax-scale", type=int, default=8,
+                   help="divide MiniMax-M2's widths by this (0: no MiniMax-M2 rows)")
     p.add_argument("--out", default=str(HERE / "results" / "moe.json"))
     args = p.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
@@ -146,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{T / t_xla:8.1f}, dense all-experts {T / t_dense:8.1f}: grouped "
               f"{t_dense / t_grouped:.2f}x, ragged_dot {t_dense / t_xla:.2f}x of dense; "
               f"max |diff| {diff:.2e}")
+    mm_shape, mm_rows = minimax_rows(args, dtype, rng) if args.minimax_scale else (None, [])
     dense_b, packed_b = expert_bytes(lp, dtype)
     ratio = statistics.median(r["ratio"] for r in rows)
     mem = packed_b / dense_b
@@ -157,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         runs=rows, median_ratio=ratio,
         expert_bytes=dict(dequantised=dense_b, packed_mxfp4=packed_b, ratio=mem),
     )
+    if mm_rows:
+        result["minimax_m2"] = dict(
+            shape=mm_shape, runs=mm_rows,
+            median_ratio=statistics.median(r["ratio"] for r in mm_rows),
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     history = json.loads(out.read_text()) if out.exists() else []

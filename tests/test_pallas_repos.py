@@ -168,3 +168,29 @@ def test_server_rerotated_copies_equal_the_jnp_rotation(backend):
     rest = [i for i in range(P * ps) if i not in dst]
     np.testing.assert_array_equal(_bits(flat(k)[:, rest]), _bits(flat(k0)[:, rest]))
     np.testing.assert_array_equal(_bits(flat(v)[:, rest]), _bits(flat(v0)[:, rest]))
+
+
+@pytest.mark.parametrize("body", ["gpu", "tpu"])
+def test_repos_partial_rotary(body):
+    """Partial rotary (MiniMax-M2: 16 of 32 dims, DESIGN §2.1): both bodies equal the jnp
+    rotation, which equals rotating the raw key at the new position; the 16 pass-through
+    dims of every listed page keep their bits."""
+    rng = np.random.default_rng(4)
+    P, ps, Hkv, dh, r = 6, 16, 2, 32, 16
+    tab = make_rope_table(RopeConfig(theta=5e6), r, MAX_POS)
+    assert tab.rotary_dim == r
+    raw = pool(rng, P, ps, Hkv, dh)
+    pages = np.array([4, 1, P])
+    old = rng.integers(0, MAX_POS, (3, ps))
+    new = rng.integers(0, MAX_POS, (3, ps))
+    x = raw[pages[:2]].reshape(-1, Hkv, dh)
+    k0 = raw.at[pages[:2]].set(
+        apply_rope(x, jnp.asarray(old[:2].reshape(-1)), tab).reshape(2, ps, Hkv, dh))
+    got = run(body, k0, pages, old, new, tab)
+    want = repos_reference(k0, jnp.asarray(pages), jnp.asarray(old), jnp.asarray(new), tab)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    at_new = apply_rope(x, jnp.asarray(new[:2].reshape(-1)), tab).reshape(2, ps, Hkv, dh)
+    np.testing.assert_allclose(np.asarray(got[pages[:2]]), np.asarray(at_new), atol=1e-5)
+    np.testing.assert_array_equal(_bits(got)[..., r:], _bits(raw)[..., r:])
+    moved = np.asarray(got)[pages[:2], ..., :r] - np.asarray(raw)[pages[:2], ..., :r]
+    assert np.abs(moved).max() > 0.5

@@ -52,7 +52,18 @@ def test_tensor_parallel_logits_match_unsharded(name, tp):
     # and the MLP are all sharded; with tp=8 only the axes divisible by 8 are.
     shardings = param_shardings(m.cfg, mesh)
     n_split = sum(any(ax is not None for ax in s.spec) for s in jax.tree.leaves(shardings))
-    if m.cfg.is_moe:
+    if m.cfg.sigmoid_router:
+        # MiniMax-M2: heads and the q/k norm weights (one per (head, dim): the norm over all
+        # heads then reduces across the shards) split with tp=2; F = 20 splits over 2, not 8.
+        if tp == 2:
+            assert sharded.layers.q_norm.sharding.spec[1] == "tensor"
+            assert sharded.layers.k_norm.sharding.spec[1] == "tensor"
+            assert sharded.layers.expert_up.sharding.spec[3] == "tensor"
+            assert n_split == 9  # wq wk wv wo q_norm k_norm + expert gate, up, down
+        else:
+            assert n_split == 0  # 4 q heads, 2 kv heads, F = 20: nothing divides 8
+        assert len(sharded.layers.expert_up.addressable_shards) == 8
+    elif m.cfg.is_moe:
         # GPT-OSS: experts are tensor-parallel inside (their width F = 28 splits over tp=2,
         # not 8); heads, head biases and sinks split like the weights.
         if tp == 2:
