@@ -15,11 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from golden import F32_ATOL, tiny_dir, tiny_golden
-from test_gpt_oss import _engine_vs_causal
+from golden import tiny_dir
 
 from akv_jax.cache.dense_reference import _rope
-from akv_jax.model.causal import greedy_generate
 from akv_jax.model.config import ConfigError, config_from_hf
 from akv_jax.model.forward import rms_norm_over_heads
 from akv_jax.model.moe import moe_mlp, route_sigmoid
@@ -190,11 +188,11 @@ def test_both_checkpoint_layouts_load_the_same_model(fixture_model, tmp_path):
     _write_fused_layout(tiny_dir(NAME), fused)
     m = load_model(fused)
     ref = jax.tree.leaves(fixture_model.params)
+    # The same params, bit for bit, as the released layout (whose logits test_model_parity
+    # checks against transformers).
+    assert m.cfg == fixture_model.cfg
     for a, b in zip(jax.tree.leaves(m.params), ref, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    g = tiny_golden(NAME)
-    logits, _ = greedy_generate(m.params, m.cfg, g["prompt"][:64].tolist(), 1)
-    assert np.abs(logits - g["logits"][:64]).max() <= F32_ATOL
 
 
 def _copy_without(tmp_path, drop: str, rename: tuple[str, str] | None = None):
@@ -231,7 +229,7 @@ def test_bad_checkpoints_one_line_errors(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_tiny_minimax_m2_model_template_and_engine():
+def test_tiny_minimax_m2_model_and_template():
     m = load_model("tiny-minimax-m2")
     assert m.source == "tiny-minimax-m2" and m.cfg.arch == "minimax_m2"
     assert m.cfg.rotary_dim == 8 and m.cfg.head_dim == 16
@@ -251,5 +249,4 @@ def test_tiny_minimax_m2_model_template_and_engine():
     segs = tok.encode_messages(msgs, add_generation_prompt=True)
     assert len(segs) == 4 and sum(segs, []) == tok.apply_chat_template(msgs, True)
     assert tok.decode(segs[2]) == "]~b]tool\n<response>a.txt</response>[e~[\n"
-    prompt = np.random.default_rng(2).integers(0, m.cfg.vocab_size - 3, 48).tolist()
-    assert np.all(_engine_vs_causal(m, prompt, 8) <= 1e-4)
+    # (The engine on tiny-minimax-m2 against the dense reference: test_minimax_m2_ops.py.)
