@@ -8,7 +8,8 @@
   8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`).
 * a converted folder (config.json + ``params/``), loaded with orbax;
 * a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
-  with MXFP4 experts, included (dequantised to ``dtype``);
+  with MXFP4 experts, included (dequantised to ``dtype``, or kept packed with
+  ``moe_weight_format="mxfp4"``);
 * a ``.gguf`` file, converted in memory.
 
 It lives in ``converters`` (above ``akv_jax.model``) because three of these ways convert a
@@ -29,7 +30,7 @@ import numpy as np
 
 from akv_jax.model import checkpoint
 from akv_jax.model.config import ModelConfig, tiny_config, tiny_gpt_oss_config
-from akv_jax.model.params import Params, cast_params, seeded_params
+from akv_jax.model.params import PACKABLE_FIELDS, Params, cast_params, seeded_params
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 from converters import mxfp4
@@ -105,13 +106,17 @@ def pack_experts(cfg: ModelConfig, params: Params) -> Params:
     """``params`` with the MoE expert weights as :class:`Mxfp4Weight` (kept packed on the
     device, dequantised per tile inside the grouped matmul).
 
-    The weights are requantised from their dense values: a released MXFP4 checkpoint's
-    dequantised values are MXFP4 values, which :func:`converters.mxfp4.quantize` reproduces
-    exactly, so serving it packed computes with the very same weights. A dense checkpoint is
-    quantised (lossy).
+    Weights already packed (a released MXFP4 checkpoint loaded with ``keep_packed``) are kept
+    as they are. Dense ones are quantised with :func:`converters.mxfp4.quantize`: lossless for
+    the dequantised values of a released checkpoint (MXFP4 values, which it reproduces
+    exactly), lossy for a dense checkpoint.
     """
     if not cfg.is_moe:
         raise ModelLoadError("--moe-weight-format mxfp4 needs a mixture-of-experts model")
+    lp = params.layers
+    dense = [f for f in PACKABLE_FIELDS if not isinstance(getattr(lp, f), Mxfp4Weight)]
+    if not dense:
+        return params
     for what, n in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
         if n % mxfp4.BLOCK:
             raise ModelLoadError(
@@ -123,13 +128,23 @@ def pack_experts(cfg: ModelConfig, params: Params) -> Params:
         blocks, scales = mxfp4.quantize(np.asarray(w, np.float32))
         return Mxfp4Weight(jnp.asarray(blocks), jnp.asarray(scales))
 
+    layers = dataclasses.replace(lp, **{f: pack(getattr(lp, f)) for f in dense})
+    return dataclasses.replace(params, layers=layers)
+
+
+def unpack_experts(params: Params, dtype: Any) -> Params:
+    """``params`` with every packed expert weight dequantised to ``dtype`` (dense serving of
+    a checkpoint converted with its MXFP4 experts kept packed)."""
     lp = params.layers
-    layers = dataclasses.replace(
-        lp,
-        expert_gate=pack(lp.expert_gate),
-        expert_up=pack(lp.expert_up),
-        expert_down=pack(lp.expert_down),
-    )
+    packed = [f for f in PACKABLE_FIELDS if isinstance(getattr(lp, f), Mxfp4Weight)]
+    if not packed:
+        return params
+
+    def unpack(w: Mxfp4Weight) -> Any:
+        dense = mxfp4.dequantize(np.asarray(w.blocks), np.asarray(w.scales))
+        return jnp.asarray(dense, dtype=dtype)
+
+    layers = dataclasses.replace(lp, **{f: unpack(getattr(lp, f)) for f in packed})
     return dataclasses.replace(params, layers=layers)
 
 
@@ -141,19 +156,24 @@ def load_model(
 ) -> LoadedModel:
     """Load config, params (as ``dtype`` device arrays) and tokenizer; see the module doc.
 
-    ``moe_weight_format="mxfp4"`` keeps a MoE model's expert weights packed (:func:`pack_experts`).
+    ``moe_weight_format="mxfp4"`` keeps a MoE model's expert weights packed: a released MXFP4
+    folder (or a checkpoint converted from one with its experts kept packed) loads its
+    blocks and scales straight into the params, without ever building dense expert weights;
+    any other MoE model is quantised (:func:`pack_experts`). ``"dense"`` dequantises.
     """
     if moe_weight_format not in MOE_WEIGHT_FORMATS:
         raise ModelLoadError(
             f"unknown MoE weight format {moe_weight_format!r} (one of {MOE_WEIGHT_FORMATS})"
         )
-    m = _load(path_or_name, dtype, progress)
-    if moe_weight_format == "mxfp4":
-        m = dataclasses.replace(m, params=pack_experts(m.cfg, m.params))
-    return m
+    packed = moe_weight_format == "mxfp4"
+    m = _load(path_or_name, dtype, progress, keep_packed=packed)
+    params = pack_experts(m.cfg, m.params) if packed else unpack_experts(m.params, dtype)
+    return dataclasses.replace(m, params=params)
 
 
-def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> LoadedModel:
+def _load(
+    path_or_name: str | Path | None, dtype: Any, progress: bool, keep_packed: bool
+) -> LoadedModel:
     dt = jnp.dtype(dtype)
     name = None if path_or_name is None else str(path_or_name)
     if name in (None, "", "default"):
@@ -168,12 +188,12 @@ def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> Loaded
     path = Path(name).expanduser()
     try:
         if path.is_file() and path.suffix == ".gguf":
-            return _load_source_in_memory("gguf", path, dt, progress)
+            return _load_source_in_memory("gguf", path, dt, progress, keep_packed)
         if path.is_dir() and checkpoint.is_checkpoint(path):
             cfg, params = checkpoint.load_checkpoint(path, dt)
             return LoadedModel(cfg, params, _tokenizer_in(path, cfg), str(path))
         if path.is_dir() and (path / "config.json").exists():
-            return _load_source_in_memory("hf", path, dt, progress)
+            return _load_source_in_memory("hf", path, dt, progress, keep_packed)
     except ConversionError as e:
         raise ModelLoadError(str(e)) from None
     raise ModelLoadError(
@@ -182,10 +202,12 @@ def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> Loaded
     )
 
 
-def _load_source_in_memory(kind: str, path: Path, dt: Any, progress: bool) -> LoadedModel:
+def _load_source_in_memory(
+    kind: str, path: Path, dt: Any, progress: bool, keep_packed: bool
+) -> LoadedModel:
     source = open_gguf(path) if kind == "gguf" else open_hf_dir(path)
     store = "bfloat16" if dt == jnp.bfloat16 else "float32"
-    params = build_params(source, store, progress)
+    params = build_params(source, store, progress, keep_packed)
     if params.embed.dtype != dt:
         params = cast_params(params, dt)
     return LoadedModel(source.config, params, source.tokenizer(), str(path))
