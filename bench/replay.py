@@ -4,10 +4,12 @@
     python bench/replay.py                  # + Text Engineering, C=1..16, longer windows
     python bench/replay.py --url http://127.0.0.1:30000   # against a server you started
 
-What runs. A tiny-model server (``--model-path tiny --context-length 32768``, a 131,072-token
-KV pool, 127.0.0.1, ``--port 0``) is started as a subprocess and stopped at the end; its XLA
-programs are cached on disk (``--compile-cache-dir``, default ~/.cache/akv_jax/xla), so the
-first run on a machine also compiles (a few minutes more) and later runs do not. Before
+What runs. A tiny-model server (``--model-path tiny --context-length 32768``, or with
+``--model tiny-gpt-oss`` the random GPT-OSS; a 131,072-token KV pool, 127.0.0.1,
+``--port 0``) is started as a subprocess and stopped at the end; its XLA programs are cached
+on disk (``--compile-cache-dir``, default ~/.cache/akv_jax/xla), so the first run on a
+machine also compiles (a few minutes more; ~15 min for tiny-gpt-oss on a loaded machine) and
+later runs do not. Before
 serving it runs every step shape once (``--warmup-shapes``, ~1 min with a warm cache): a shape
 met for the first time inside a cell would cost that cell ~0.7 s. Seeded
 synthetic trajectories (:mod:`akv_jax.agent.trajectory`: shared 48-token system prompt,
