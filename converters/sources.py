@@ -10,14 +10,16 @@ GPT-OSS as released keeps its expert weights in MXFP4 (config.json's
 is seen as the one dense tensor ``<name>`` (shape derived from the headers, so a malformed pair
 fails before any weight is read) and read dequantised to float32 (exact: every MXFP4 value is a
 float32, and a bfloat16 too unless its scale is extreme), which the converter then maps exactly
-as it maps a dense checkpoint's tensor and stores in the serving dtype.
+as it maps a dense checkpoint's tensor and stores in the serving dtype. Or, for the names a
+caller passes in ``read(keep_packed=...)`` (``--moe-weight-format mxfp4``), read as they are:
+an :class:`Mxfp4Weight` of the uint8 blocks and scales, never decoded on the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from akv_jax.model.config import ConfigError, ModelConfig, config_from_hf
 from akv_jax.model.tokenizer import ChatTokenizer
+from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 from converters import mxfp4
 from converters.mapping import ConversionError, gguf_to_hf_name, unpermute_llama_qk
 
@@ -41,14 +44,20 @@ TOKENIZER_FILES = (
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+# (HF name, array) in file order; ``read(keep_packed)`` yields the MXFP4 tensors named in
+# ``keep_packed`` as Mxfp4Weight of their numpy blocks and scales instead of dequantised.
+Reader = Callable[..., Iterator[tuple[str, np.ndarray | Mxfp4Weight]]]
+
+
 @dataclasses.dataclass
 class Source:
     description: str
     config: ModelConfig
-    shapes: dict[str, tuple[int, ...]]  # HF name -> shape in HF layout
-    read: Callable[[], Iterator[tuple[str, np.ndarray]]]  # (HF name, array) in file order
+    shapes: dict[str, tuple[int, ...]]  # HF name -> shape in HF layout (dense, for MXFP4 too)
+    read: Reader
     tokenizer: Callable[[], ChatTokenizer | None]
     tokenizer_files: list[Path]  # copied verbatim into a converted folder
+    packed: frozenset[str] = frozenset()  # HF names stored as MXFP4 blocks + scales
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -170,12 +179,15 @@ def open_hf_dir(path: str | Path) -> Source:
         with safe_open(str(where[name]), framework="numpy") as h:
             return h.get_tensor(name)
 
-    def read() -> Iterator[tuple[str, np.ndarray]]:
+    def read(keep_packed: Collection[str] = ()) -> Iterator[tuple[str, Any]]:
         for f in files:
             with safe_open(str(f), framework="numpy") as h:
                 for k in h.keys():
                     if k in scales_of:
                         base, scales = scales_of[k]
+                        if base in keep_packed:
+                            yield base, Mxfp4Weight(h.get_tensor(k), tensor(scales))
+                            continue
                         w = mxfp4.dequantize(h.get_tensor(k), tensor(scales))
                         yield base, w.reshape(shapes[base])
                     elif k not in part_of_pair:
@@ -187,7 +199,7 @@ def open_hf_dir(path: str | Path) -> Source:
         return ChatTokenizer.from_dir(d, extra_eos_ids=cfg.eos_token_ids)
 
     tok_files = [d / n for n in TOKENIZER_FILES if (d / n).exists()]
-    return Source(str(d), cfg, shapes, read, tokenizer, tok_files)
+    return Source(str(d), cfg, shapes, read, tokenizer, tok_files, frozenset(packed))
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -261,7 +273,8 @@ def open_gguf(path: str | Path) -> Source:
         gguf_to_hf_name(t.name): tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors
     }
 
-    def read() -> Iterator[tuple[str, np.ndarray]]:
+    def read(keep_packed: Collection[str] = ()) -> Iterator[tuple[str, np.ndarray]]:
+        # GGUF has no MXFP4 expert tensors (Source.packed is empty): keep_packed never applies
         for t in reader.tensors:
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
             name = gguf_to_hf_name(t.name)

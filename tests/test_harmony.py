@@ -2,9 +2,10 @@
 
 The vocabulary is o200k_harmony as bundled by ``quicktok-v1`` (read from its data files and
 rebuilt as a ``tokenizers`` BPE by :func:`akv_jax.model.byte_bpe.tiktoken_tokenizer`); the
-chat template is a harmony template written for these tests (tests/fixtures/harmony); the
-oracle for the token ids is ``openai-harmony``, the format's reference renderer, run offline on
-the same vocabulary (written as the ``o200k_base.tiktoken`` file it would download; its
+chat template is akv_jax's harmony template (:mod:`akv_jax.model.harmony_template`, the one
+``tiny-gpt-oss`` chats with over its byte vocabulary, tested here too); the oracle for the
+token ids is ``openai-harmony``, the format's reference renderer, run offline on the same
+vocabulary (written as the ``o200k_base.tiktoken`` file it would download; its
 SHA-256 is the published one). Both packages are dev dependencies: without them these tests
 fail at import, they are not skipped.
 """
@@ -21,9 +22,11 @@ import pytest
 import quicktok
 
 from akv_jax.model.byte_bpe import O200K_SPLIT, tiktoken_tokenizer
+from akv_jax.model.harmony_template import HARMONY_SPECIALS, HARMONY_TEMPLATE
 from akv_jax.model.tokenizer import ChatTokenizer, TokenizerError
+from converters.loading import load_model
 
-TEMPLATE = (Path(__file__).parent / "fixtures" / "harmony" / "chat_template.jinja").read_text()
+TEMPLATE = HARMONY_TEMPLATE
 # The SHA-256 of openaipublic's o200k_base.tiktoken (the file openai-harmony downloads).
 O200K_BASE_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 
@@ -326,6 +329,48 @@ def test_ids_equal_openai_harmony(tok, harmony, n, effort):
         conversation_start_date="2026-12-01",
     )
     assert [t for s in segs for t in s] == list(expect)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss_tok():
+    return load_model("tiny-gpt-oss").tokenizer
+
+
+def test_tiny_gpt_oss_chats_in_harmony(tiny_gpt_oss_tok, o200k_harmony):
+    t = tiny_gpt_oss_tok
+    assert t.chat_template == HARMONY_TEMPLATE
+    # One id per harmony special token, at the end of the byte vocabulary; <|return|> is the
+    # EOS (the config's too), <|call|> and <|endoftext|> end a generation, as in GPT-OSS.
+    ids = [t.token_to_id(s) for s in HARMONY_SPECIALS]
+    assert ids == list(range(512 - len(HARMONY_SPECIALS), 512))
+    assert set(HARMONY_SPECIALS) <= set(o200k_harmony[1])  # the real vocabulary's names
+    assert t.eos_ids == (511, t.token_to_id("<|call|>"), t.token_to_id("<|endoftext|>"))
+    assert load_model("tiny-gpt-oss").stop_ids[0] == 511
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6, len(AGENT)])
+def test_tiny_gpt_oss_renders_what_openai_harmony_renders(tiny_gpt_oss_tok, tok, harmony, n):
+    """tiny-gpt-oss's chat, over bytes, is openai-harmony's rendering: its segments decode to
+    the text of openai-harmony's ids (decoded with the o200k_harmony vocabulary), one segment
+    per message as with the real vocabulary, every special token a single id."""
+    h, enc = harmony
+    expect = enc.render_conversation_for_completion(
+        to_harmony(h, AGENT[:n], "high", date="2026-12-01"), h.Role.ASSISTANT
+    )
+    t = tiny_gpt_oss_tok
+    segs = t.encode_messages(
+        AGENT[:n], add_generation_prompt=True, reasoning_effort="high",
+        conversation_start_date="2026-12-01",
+    )
+    assert "".join(t.decode(s) for s in segs) == tok.decode(list(expect))
+    real = tok.encode_messages(
+        AGENT[:n], add_generation_prompt=True, reasoning_effort="high",
+        conversation_start_date="2026-12-01",
+    )
+    assert [t.decode(s) for s in segs] == [tok.decode(s) for s in real]
+    assert all(i < 256 or i >= 512 - len(HARMONY_SPECIALS) for s in segs for i in s)
+    n_special = sum(tok.decode(list(expect)).count(sp) for sp in HARMONY_SPECIALS)
+    assert sum(i >= 256 for s in segs for i in s) == n_special
 
 
 def test_a_message_that_cannot_be_found_is_refused(tok):

@@ -71,6 +71,10 @@ class LayerParams:
     router_score_bias: Any = None  # [L, E]
 
 
+# The LayerParams fields that may be a packed Mxfp4Weight instead of an array.
+PACKABLE_FIELDS = ("expert_gate", "expert_up", "expert_down")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Params:
@@ -237,13 +241,19 @@ def params_from_arrays(
 ) -> Params:
     """Assemble a Params tree from flat ``path -> array`` entries, checking every shape.
 
-    Paths are the dataclass field names joined with '.', e.g. ``layers.wq``.
+    Paths are the dataclass field names joined with '.', e.g. ``layers.wq``. A packed expert
+    weight (:data:`PACKABLE_FIELDS`) comes as ``<path>.blocks`` and ``<path>.scales`` uint8
+    entries (as :func:`params_to_arrays` names them) and becomes an :class:`Mxfp4Weight`;
+    ``dtype`` applies to the float arrays only.
     """
     abstract = Params.abstract(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_info)
     out = []
     for path, info in flat:
         name = ".".join(p.name for p in path)
+        if f"{name}.blocks" in arrays or f"{name}.scales" in arrays:
+            out.append(_packed_from_arrays(name, info, arrays))
+            continue
         if name not in arrays:
             raise ValueError(f"missing parameter {name}")
         arr = np.asarray(arrays[name])
@@ -253,7 +263,28 @@ def params_from_arrays(
     return jax.tree.unflatten(treedef, out)
 
 
+def _packed_from_arrays(
+    name: str, info: ArrayInfo, arrays: dict[str, np.ndarray]
+) -> Mxfp4Weight:
+    if name.removeprefix("layers.") not in PACKABLE_FIELDS:
+        raise ValueError(f"parameter {name} cannot be stored packed (only the expert weights)")
+    want = Mxfp4Weight.packed_shapes(info.shape)
+    parts = []
+    for part, shape in zip(("blocks", "scales"), want, strict=True):
+        key = f"{name}.{part}"
+        if key not in arrays:
+            raise ValueError(f"missing parameter {key}")
+        arr = np.asarray(arrays[key])
+        if arr.dtype != np.uint8:
+            raise ValueError(f"packed parameter {key} must be uint8, got {arr.dtype}")
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"shape mismatch for {key}: got {arr.shape}, expected {shape}")
+        parts.append(jnp.asarray(arr))
+    return Mxfp4Weight(*parts)
+
+
 def params_to_arrays(params: Params) -> dict[str, np.ndarray]:
+    """Flat ``path -> array``; a packed weight gives ``<path>.blocks`` and ``<path>.scales``."""
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     return {".".join(p.name for p in path): np.asarray(x) for path, x in flat}
 

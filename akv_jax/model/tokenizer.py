@@ -39,6 +39,7 @@ from akv_jax.model.chat_template import (
     alias_reasoning,
     compile_chat_template,
 )
+from akv_jax.model.harmony_template import HARMONY_SPECIALS, HARMONY_TEMPLATE
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -127,6 +128,20 @@ class ChatTokenizer:
         bos, _, eos = MINIMAX_M2_TINY_SPECIALS
         special = {"bos_token": bos, "eos_token": eos, "unk_token": None}
         return cls(tok, MINIMAX_M2_TINY_TEMPLATE, special)
+
+    @classmethod
+    def byte_level_harmony(cls, vocab_size: int) -> ChatTokenizer:
+        """A byte tokenizer for the random GPT-OSS (``tiny-gpt-oss``): ids 0..255 are bytes,
+        the last ids harmony's special tokens (``<|return|>`` last, the EOS, as GPT-OSS's;
+        ``<|call|>`` and ``<|endoftext|>`` end a generation too); harmony chat."""
+        try:
+            tok = byte_tokenizer(vocab_size, HARMONY_SPECIALS)
+        except ValueError as e:
+            raise TokenizerError(str(e)) from None
+        special = {"bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+                   "pad_token": "<|endoftext|>"}
+        extra = [tok.token_to_id("<|call|>"), tok.token_to_id("<|endoftext|>")]
+        return cls(tok, HARMONY_TEMPLATE, special, extra_eos_ids=extra)
 
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into ``path``."""

@@ -53,6 +53,16 @@ class Mxfp4Weight:
         *lead, out, groups, _ = self.blocks.shape
         return (*lead, groups * MXFP4_BLOCK, out)
 
+    @staticmethod
+    def packed_shapes(dense_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(blocks shape, scales shape) of a weight of dense shape ``[..., in, out]``."""
+        *lead, n_in, out = dense_shape
+        if n_in % MXFP4_BLOCK:
+            raise ValueError(f"mxfp4 needs the input dimension to be a multiple of "
+                             f"{MXFP4_BLOCK}, got {n_in}")
+        groups = n_in // MXFP4_BLOCK
+        return (*lead, out, groups, MXFP4_BLOCK // 2), (*lead, out, groups)
+
 
 def dequantize_mxfp4(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
     """``[..., out, in/32, 16]`` codes and ``[..., out, in/32]`` scales -> ``[..., in, out]``."""
