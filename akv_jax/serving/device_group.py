@@ -87,6 +87,7 @@ class DeviceGroup:
             rope,
             attention,
             jnp.asarray(rows),
+            mesh=self.mesh,
         )
         self.kv = kv
         if not logits.is_fully_addressable:  # a mesh over several processes (multi-host)
@@ -123,9 +124,15 @@ def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None
     dst.kv = _scatter_pages(dst.kv, jnp.asarray(idx), k, v)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention"), donate_argnums=(4,))
-def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows):
-    return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh"), donate_argnums=(4,))
+def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows,
+                  mesh=None):
+    """One serving step. ``mesh``: the group's tensor-parallel mesh, made the context mesh
+    so that the Pallas kernels run per head shard (see ``dispatch._per_head_shard``)."""
+    if mesh is None:
+        return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
 
 
 @functools.partial(jax.jit, static_argnames=("repos",), donate_argnums=(0,))
