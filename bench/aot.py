@@ -69,6 +69,19 @@ def result_row(r: build.Result) -> str:
             f"{r.estimate_s * 1e3:.3f} |")
 
 
+def _write(args: argparse.Namespace, results: list, skipped: list, t0: float,
+           plan: dict | None = None) -> None:
+    """The JSON, rewritten after every compile (a long run leaves its rows so far)."""
+    payload = dict(
+        targets={k: dataclasses.asdict(v) for k, v in TARGETS.items() if k in args.targets},
+        results=[dataclasses.asdict(r) for r in results],
+        ci=args.ci, seconds=time.perf_counter() - t0, complete=plan is not None,
+        memory_plan=plan or {}, not_compiled=skipped,
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ci", action="store_true", help="the CI set only")
@@ -94,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             r = build.compile_kernel(name, case)
             results.append(r)
             print(result_row(r), flush=True)
+            _write(args, results, skipped, t0)
         if args.no_steps:
             continue
         for case in build.step_cases(full=not args.ci):
@@ -109,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.extra["fits_pool_tokens"] = build.kv_pool_tokens(r, TARGETS[name].memory_bytes)
             results.append(r)
             print(result_row(r), flush=True)
+            _write(args, results, skipped, t0)
 
     plan = [r for r in results if r.ok and "fits_pool_tokens" in r.extra
             and "decode" in r.name]
@@ -127,15 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = len({r.target for r in results})
     paper = next((r for r in plan if r.target == PAPER_TARGET), None)
     tokens = paper.extra["fits_pool_tokens"] if paper else 0
-    payload = dict(
-        targets={k: dataclasses.asdict(v) for k, v in TARGETS.items() if k in args.targets},
-        results=[dataclasses.asdict(r) for r in results],
-        ci=args.ci, seconds=time.perf_counter() - t0,
-        memory_plan={r.target: r.extra["fits_pool_tokens"] for r in plan},
-        not_compiled=skipped,
-    )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    _write(args, results, skipped, t0, {r.target: r.extra["fits_pool_tokens"] for r in plan})
     print(f"wrote {args.json} ({time.perf_counter() - t0:.0f} s)")
     print(f"aot: {ok}/{len(results)} compiles succeed on {targets} targets, GPT-OSS-120B TP4 "
           f"bf16 fits with a KV pool of {tokens} tokens per {PAPER_TARGET}")
