@@ -25,7 +25,10 @@ What is compiled (:func:`kernel_cases`, :func:`step_cases`):
   :mod:`akv_jax.serving.sampler`), from the logits rows this step returns.
 
 Every figure that is not read from the compiler (step time) is an *estimate*: a roofline
-``max(flops / peak, bytes / bandwidth)`` from ``cost_analysis()`` and the data-sheet peaks.
+``max(flops / peak, bytes / bandwidth)`` with the data-sheet peaks. For a kernel, flops and
+bytes are ``cost_analysis()``'s (a Pallas call counts its operands' bytes: the whole page
+pool, so an upper bound); for a step they are counted from the shapes
+(:func:`step_traffic`), because cost_analysis() counts the layer scan's body once.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ def tpu_kernel_vmem(hlo_text: str, kernel_names: tuple[str, ...]) -> dict[str, i
     (``used_scoped_memory_configs``, memory space 1 = VMEM)."""
     out: dict[str, int] = {}
     for line in hlo_text.splitlines():
-        m = re.match(r"\s*%?(\S+) = .*custom_call_target=\"tpu_custom_call\"", line)
+        m = re.match(r"\s*(?:ROOT )?%?(\S+) = .*custom_call_target=\"tpu_custom_call\"", line)
         if not m:
             continue
         name = m[1].split(".")[0]
@@ -449,6 +452,46 @@ def step_args(cfg: ModelConfig, case: StepCase, devices: tuple) -> tuple:
     )
 
 
+def step_traffic(cfg: ModelConfig, case: StepCase) -> tuple[float, float]:
+    """(flops, HBM bytes) of one step over all devices, counted from the model's shapes.
+
+    XLA's cost_analysis() counts a while loop's body once, and the forward is a scan over
+    the layers, so its totals hold one layer; hence this count. Weights are read once per step
+    (experts: only those some token routes to, in expectation for uniform routing); every
+    token's view of KV is read once per query block (decode: one row per block; prefill: a
+    64-row block reads its causal prefix); matmul flops are 2 per weight per token (k experts
+    per token), attention 4 * keys * head dim per query head, logits for the returned rows.
+    """
+    D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    Hq, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    attn_w = D * Dh * (2 * Hq + 2 * Hkv)
+    if cfg.is_moe:
+        E, k, F = cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size
+        expert = 3 * D * F
+        mlp_flops_w, mlp_w = k * expert, None
+    else:
+        mlp_flops_w = mlp_w = 3 * D * cfg.intermediate_size
+    decode = case.phase == "decode"
+    T, view, rows = (16, 4096, 16) if decode else (4096, 4096, 1)
+    if cfg.is_moe:
+        touched = E * (1 - (1 - k / E) ** T)
+        mlp_w = touched * expert + D * E
+    kv_tok = 2 * Hkv * Dh * 2  # bf16 K and V per layer
+    if decode:
+        keys = T * view  # one query row per request, each over its own view
+        kv_read = keys * kv_tok
+    else:
+        keys = T * (T + 1) // 2  # causal
+        kv_read = (T // PREFILL_BLOCK_Q) * (view / 2) * kv_tok
+    if cfg.sliding_window:  # half the layers see at most the window
+        keys_l = (keys + T * min(cfg.sliding_window, view)) / 2
+    else:
+        keys_l = keys
+    flops = L * (2 * T * (attn_w + mlp_flops_w) + 4 * keys_l * Hq * Dh) + 2 * rows * D * V
+    nbytes = 2 * (L * (attn_w + mlp_w) + D * V) + L * kv_read
+    return float(flops), float(nbytes)
+
+
 def compile_step(target_name: str, case: StepCase) -> Result:
     """Compile the server's step (``_forward_step``) for ``case`` on ``case.tp`` devices."""
     t = TARGETS[target_name]
@@ -462,13 +505,20 @@ def compile_step(target_name: str, case: StepCase) -> Result:
     attention = make_model_attention(cfg, "auto", block_q, platform=t.platform, **kw)
     res.extra["kv_bytes_per_token"] = kv_bytes_per_token(cfg, case.tp)
     res.extra["pool_tokens"] = case.pool_tokens
+    flops, nbytes = step_traffic(cfg, case)
+    res.extra["traffic_flops"], res.extra["traffic_bytes"] = flops, nbytes
     # The server's own jitted step (static cfg, attention and mesh; the pool donated).
     step = functools.partial(_forward_step, mesh=mesh if case.tp > 1 else None)
     step.lower = lambda *a: _forward_step.lower(*a, mesh=mesh if case.tp > 1 else None)
-    return compile_one(
+    compile_one(
         res, t, step,
         (params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows), devices[0],
     )
+    # The roofline from the shape count (cost_analysis() holds one layer of the scan), split
+    # evenly over the tensor-parallel devices.
+    res.estimate_s = max(flops / case.tp / t.peak_bf16_flops,
+                         nbytes / case.tp / t.hbm_bytes_per_s)
+    return res
 
 
 def param_bytes_per_device(cfg: ModelConfig, tp: int, itemsize: int = 2) -> int:
