@@ -173,7 +173,7 @@ def segment_attention_gpu(
     sm_scale: float,
     sinks: jax.Array | None = None,
     sliding_window: int | None = None,
-    rows_per_tile: int = 64,
+    rows_per_tile: int | None = None,
     keys_per_step: int = 64,
     kv_splits: int | None = None,
     num_warps: int = 4,
@@ -183,7 +183,9 @@ def segment_attention_gpu(
 ) -> jax.Array:
     """Same contract as ``segment_attention_reference``; see the module docstring.
 
-    ``num_cores``: the target GPU's SM count, which sizes split-K (None: an H100's 132)."""
+    ``num_cores``: the target GPU's SM count, which sizes split-K (None: an H100's 132).
+    ``rows_per_tile``: query-tile rows (rows x padded group); None picks by dtype and head
+    dim (see below)."""
     T, Hq, Dh = q.shape
     P, ps, Hkv, _ = k_pages.shape
     if Hq % Hkv:
@@ -192,6 +194,11 @@ def segment_attention_gpu(
         raise ValueError(f"the GPU kernel needs a power-of-two page size, got {ps}")
     G = Hq // Hkv
     gp, dp = _pow2(G), max(16, _pow2(Dh))
+    if rows_per_tile is None:
+        # 64-row tiles, except float32 at head dim >= 128: there q, k, v and the accumulator
+        # tiles need more than 255 registers a thread and spill on sm_90 (ptxas' report in a
+        # deviceless compile, akv_jax.aot); 32 rows fit.
+        rows_per_tile = 32 if q.dtype.itemsize >= 4 and dp >= 128 else 64
     # Query rows per tile: a power of two, so the tile (rows x padded group) is one too.
     rows = max(1, min(_pow2(block_q), rows_per_tile // gp))
     M = max(16, rows * gp)
