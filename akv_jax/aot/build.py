@@ -241,7 +241,14 @@ def compile_one(
         return result
     result.seconds = time.perf_counter() - t0
     if target.platform == "cuda":
-        result.kernels = ptxas_reports(log[0])
+        reports = ptxas_reports(log[0])
+        # akv_jax's Pallas kernels by name; XLA's own fusions summarised.
+        result.kernels = {k: v for k, v in reports.items() if k.startswith("akv_")}
+        xla = [v for k, v in reports.items() if not k.startswith("akv_")]
+        result.extra["xla_kernels"] = dict(
+            count=len(xla), max_registers=max((v["registers"] for v in xla), default=0),
+            spill_bytes=sum(v["spill_stores"] + v["spill_loads"] for v in xla),
+        )
     else:
         result.vmem = tpu_kernel_vmem(compiled.as_text(), ("akv_", "repos"))
     mem = compiled.memory_analysis()
