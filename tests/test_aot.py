@@ -90,3 +90,33 @@ def test_auto_backend_compiles_the_mosaic_kernel_into_the_tpu_step():
     r = build.compile_step("TPU v5e", build.StepCase("SmolLM2-135M", 1, "decode", 1024))
     assert r.ok, r.error
     assert "akv_segment_attention" in r.vmem
+
+
+def test_rerotated_copies_compile_tensor_parallel_on_tpu():
+    """The server's re-rotated copies (``_rerotate_copy``: the repos kernel over gathered
+    keys) at TP4 on a v5e: XLA:TPU cannot partition the Mosaic call, so it runs per head shard
+    under the group's mesh (without the mesh it refuses: "cannot be automatically
+    partitioned")."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from akv_jax.model.forward import KVPool
+    from akv_jax.model.params import logical_to_spec, make_mesh
+    from akv_jax.model.rope import rope_table_for
+    from akv_jax.pallas.dispatch import make_repos_fn
+    from akv_jax.serving.device_group import KV_AXES, _rerotate_copy
+
+    cfg = build.preset_config("Qwen3-8B")
+    devs = build.topology_devices("TPU v5e")
+    mesh = make_mesh(4, list(devs))
+    rep = NamedSharding(mesh, PartitionSpec())
+    shape = (cfg.num_layers, 256, 16, cfg.num_kv_heads, cfg.head_dim)
+    sh = NamedSharding(mesh, logical_to_spec(KV_AXES, shape, mesh))
+    pool = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)
+    idx = jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rep)
+    rope = jax.tree.map(lambda x: build._sds(x, rep), rope_table_for(cfg, 8192))
+    repos = make_repos_fn("auto", platform="tpu")
+    with jax.default_device(devs[0]):
+        _rerotate_copy.lower(KVPool(pool, pool), idx, idx, idx, idx, rope, repos,
+                             mesh=mesh).compile()

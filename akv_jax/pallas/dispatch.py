@@ -152,12 +152,26 @@ def make_repos_fn(
     if impl == "reference":
         return repos_reference
 
-    def repos(k_pages, pages, old_pos, new_pos, table):
-        _, ps, _, dh = k_pages.shape
-        if impl == "gpu" and backend == "auto" and not repos_lib.gpu_supports(ps, dh):
-            return repos_reference(k_pages, pages, old_pos, new_pos, table)
+    def kernel(k_pages, pages, old_pos, new_pos, table):
         return repos_lib.repos_pallas(
             k_pages, pages, old_pos, new_pos, table, body=impl, interpret=interpret
         )
+
+    def repos(k_pages, pages, old_pos, new_pos, table):
+        _, ps, heads, dh = k_pages.shape
+        if impl == "gpu" and backend == "auto" and not repos_lib.gpu_supports(ps, dh):
+            return repos_reference(k_pages, pages, old_pos, new_pos, table)
+        # Per tensor-parallel head shard, as attention (see _per_head_shard): every head
+        # rotates alike, so each device rotates its own heads' keys.
+        mesh = jax.sharding.get_abstract_mesh()
+        tp = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+        if tp == 1 or heads % tp:
+            return kernel(k_pages, pages, old_pos, new_pos, table)
+        from jax.sharding import PartitionSpec as P
+
+        kv = P(None, None, "tensor", None)
+        return jax.shard_map(kernel, mesh=mesh, in_specs=(kv, P(), P(), P(), P()),
+                             out_specs=kv, check_vma=False)(k_pages, pages, old_pos, new_pos,
+                                                            table)
 
     return repos

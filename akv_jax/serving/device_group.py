@@ -103,7 +103,8 @@ class DeviceGroup:
         arr = np.zeros((4, n), np.int32)
         arr[1] = P * ps  # padding copies write out of range
         arr[:, : len(copies)] = np.asarray(copies, np.int32).T
-        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), rope, self._repos)
+        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), rope, self._repos,
+                                 mesh=self.mesh)
 
 
 def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None:
@@ -135,10 +136,18 @@ def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention
         return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("repos",), donate_argnums=(0,))
-def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope, repos) -> KVPool:
+@functools.partial(jax.jit, static_argnames=("repos", "mesh"), donate_argnums=(0,))
+def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope, repos, mesh=None) -> KVPool:
     """Copy keys (re-rotated old_pos -> new_pos) and values from slots ``src`` to ``dst``
-    (``len(src)`` a multiple of :data:`COPY_PAGE`); ``repos`` is a ``make_repos_fn`` function."""
+    (``len(src)`` a multiple of :data:`COPY_PAGE`); ``repos`` is a ``make_repos_fn`` function.
+    ``mesh``: the group's tensor-parallel mesh (the repos kernel runs per head shard)."""
+    if mesh is None:
+        return _rerotate_copy_body(kv, src, dst, old_pos, new_pos, rope, repos)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return _rerotate_copy_body(kv, src, dst, old_pos, new_pos, rope, repos)
+
+
+def _rerotate_copy_body(kv: KVPool, src, dst, old_pos, new_pos, rope, repos) -> KVPool:
     L, P, ps, H, D = kv.k.shape
     n = src.shape[0]
     k = kv.k.reshape(L, P * ps, H, D)
