@@ -11,3 +11,6 @@ py=.venv/bin/python
 XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra \
   -m "multidevice and not slow" \
   tests/
+# Deviceless compiles for every GPU and TPU target (own venv, own processes): fails CI when a
+# target rejects a kernel or the serving step.
+bash scripts/aot.sh

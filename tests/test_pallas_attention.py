@@ -195,6 +195,12 @@ def test_kernel_sinks_window_odd_head_dim(body, kind):
                   kernel_kw=kernel_kw)
 
 
+def test_gpu_kernel_float32_head_dim_128_tiles():
+    """float32 at head dim 128 takes 32-row tiles (64-row ones spill on sm_90: akv_jax.aot), so a
+    64-row block is two tiles; same result as the reference."""
+    _check_kernel("gpu", "restore", 4, 16, jnp.float32, head_dim=128)
+
+
 def test_gpu_kernel_without_split():
     """The other tests' shapes get split-K by default (few programs); here one split."""
     case = make("prefill", page_size=16)

@@ -100,3 +100,21 @@ def test_disaggregated_matches_colocated():
         assert [g[0] for g in got] == [w[0] for w in want]
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a[1], b[1], atol=1e-4)
+
+
+def test_pallas_kernel_runs_per_head_shard_at_tp2():
+    """The Pallas attention under tensor parallelism runs once per head shard (shard_map
+    over the serving step's mesh: a Mosaic call cannot be partitioned by GSPMD, see
+    dispatch._per_head_shard); here the kernel body runs interpreted on the CPU, and tp=2
+    gives tp=1's tokens and log-probs."""
+    if jax.device_count() < 8:
+        pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
+    model = SimpleNamespace(cfg=CFG, params=seeded_params(CFG, 7), tokenizer=None)
+    reqs = random_requests(np.random.default_rng(7), 3, vocab=CFG.vocab_size)
+    results = {}
+    for tp in (1, 2):
+        eng = Engine(model, max_total_tokens=1024, page_size=8, attention_backend="pallas", tp=tp)
+        results[tp] = run(eng, reqs, concurrent=True)
+    assert [r[0] for r in results[2]] == [r[0] for r in results[1]]
+    for a, b in zip(results[2], results[1], strict=True):
+        np.testing.assert_allclose(a[1], b[1], atol=1e-4)

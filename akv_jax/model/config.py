@@ -468,3 +468,52 @@ def tiny_minimax_m2_config(vocab_size: int = 512) -> ModelConfig:
         num_experts_per_tok=2,
         rotary_dim=8,
     )
+
+
+# The released models' shapes (their Hugging Face config.json, abridged), for shape-only work:
+# deviceless compiles, memory plans and benchmarks with random weights. Serving a real
+# checkpoint reads its own config.json instead.
+def _smollm2_135m() -> ModelConfig:
+    return ModelConfig(
+        arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=100000.0), max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+    )
+
+
+def _qwen3_8b() -> ModelConfig:
+    return ModelConfig(
+        arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1000000.0), max_position_embeddings=40960,
+        tie_word_embeddings=False, eos_token_ids=(151645,),
+    )
+
+
+def _gpt_oss(num_layers: int, num_experts: int) -> ModelConfig:
+    return ModelConfig(
+        arch="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_layers=num_layers, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=150000.0, rope_type="yarn", factor=32.0, beta_fast=32.0,
+                        beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+        max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=True,
+        eos_token_ids=(200002, 199999, 200012),
+        layer_types=("sliding_attention", "full_attention") * (num_layers // 2),
+        sliding_window=128, num_experts=num_experts, num_experts_per_tok=4,
+    )
+
+
+PRESETS = {
+    "SmolLM2-135M": _smollm2_135m,
+    "Qwen3-8B": _qwen3_8b,
+    "GPT-OSS-20B": lambda: _gpt_oss(24, 32),
+    "GPT-OSS-120B": lambda: _gpt_oss(36, 128),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The shapes of a released model by name (a key of :data:`PRESETS`)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name]()

@@ -53,6 +53,17 @@ def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, boo
     return "gpu", True  # pallas on the CPU: the GPU body, interpreted
 
 
+def local_gpu_cores() -> int | None:
+    """SM count of this process's first GPU; None without one (the kernel's default)."""
+    try:
+        devices = jax.devices()
+    except RuntimeError:
+        return None
+    if not devices or devices[0].platform not in _GPU_PLATFORMS:
+        return None
+    return getattr(devices[0], "core_count", None)
+
+
 def make_attention_fn(
     backend: str = "auto",
     *,
@@ -73,6 +84,10 @@ def make_attention_fn(
     """
     impl, interpret = resolve_backend(backend, platform)
     common = dict(block_q=block_q, sm_scale=sm_scale, sliding_window=sliding_window)
+    if impl == "gpu" and not interpret and "num_cores" not in kernel_options:
+        # Split-K is sized by the SM count of the GPU it runs on (a deviceless compile
+        # names its target's instead: akv_jax.aot).
+        kernel_options["num_cores"] = local_gpu_cores()
     reference = functools.partial(segment_attention_reference, **common)
     if impl == "reference":
         if backend == "auto":
@@ -81,7 +96,9 @@ def make_attention_fn(
             return functools.partial(segment_attention_chunked, **common)
         return reference
     body = segment_attention_gpu if impl == "gpu" else segment_attention_tpu
-    kernel = functools.partial(body, interpret=interpret, **common, **kernel_options)
+    kernel = _per_head_shard(
+        functools.partial(body, interpret=interpret, **common, **kernel_options)
+    )
 
     def attention(q, k_pages, v_pages, batch, layer=None, sinks=None):
         if layer is not None:  # the kernels take one layer's pool
@@ -93,6 +110,40 @@ def make_attention_fn(
     return attention
 
 
+def _per_head_shard(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """Run ``kernel`` once per tensor-parallel shard of the heads.
+
+    A Pallas kernel is a custom call that GSPMD cannot partition: XLA:TPU refuses it
+    ("Mosaic kernels cannot be automatically partitioned"), XLA:GPU would gather every
+    operand onto each device. Attention is independent per kv head (and its query heads:
+    q head ``h * G + g`` reads kv head ``h``, so contiguous shards keep groups whole), so
+    under a mesh with a "tensor" axis (set by the serving step, see
+    :func:`akv_jax.serving.device_group._forward_step`) each device runs the kernel on its
+    own heads with ``shard_map``. Without such a mesh, or when the kv heads do not split
+    evenly (then the pool is replicated: :func:`akv_jax.model.params.logical_to_spec`), the
+    kernel is called as is.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    def call(q, k_pages, v_pages, batch, sinks=None):
+        mesh = jax.sharding.get_abstract_mesh()
+        tp = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+        if tp == 1 or k_pages.shape[-2] % tp or q.shape[1] % tp:
+            return kernel(q, k_pages, v_pages, batch, sinks=sinks)
+        heads, kv = P(None, "tensor", None), P(None, None, "tensor", None)
+        if sinks is None:
+            fn, specs, args = (lambda q, k, v, b: kernel(q, k, v, b),
+                               (heads, kv, kv, P()), (q, k_pages, v_pages, batch))
+        else:
+            fn, specs, args = (lambda q, k, v, b, s: kernel(q, k, v, b, sinks=s),
+                               (heads, kv, kv, P(), P("tensor")),
+                               (q, k_pages, v_pages, batch, sinks))
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=heads,
+                             check_vma=False)(*args)
+
+    return call
+
+
 def make_repos_fn(
     backend: str = "auto", *, platform: str | None = None
 ) -> Callable[..., jax.Array]:
@@ -101,13 +152,27 @@ def make_repos_fn(
     if impl == "reference":
         return repos_reference
 
-    def repos(k_pages, pages, old_pos, new_pos, table):
-        _, ps, _, dh = k_pages.shape
-        r = table.rotary_dim
-        if impl == "gpu" and backend == "auto" and not repos_lib.gpu_supports(ps, dh, r):
-            return repos_reference(k_pages, pages, old_pos, new_pos, table)
+    def kernel(k_pages, pages, old_pos, new_pos, table):
         return repos_lib.repos_pallas(
             k_pages, pages, old_pos, new_pos, table, body=impl, interpret=interpret
         )
+
+    def repos(k_pages, pages, old_pos, new_pos, table):
+        _, ps, heads, dh = k_pages.shape
+        r = table.rotary_dim
+        if impl == "gpu" and backend == "auto" and not repos_lib.gpu_supports(ps, dh, r):
+            return repos_reference(k_pages, pages, old_pos, new_pos, table)
+        # Per tensor-parallel head shard, as attention (see _per_head_shard): every head
+        # rotates alike, so each device rotates its own heads' keys.
+        mesh = jax.sharding.get_abstract_mesh()
+        tp = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+        if tp == 1 or heads % tp:
+            return kernel(k_pages, pages, old_pos, new_pos, table)
+        from jax.sharding import PartitionSpec as P
+
+        kv = P(None, None, "tensor", None)
+        return jax.shard_map(kernel, mesh=mesh, in_specs=(kv, P(), P(), P(), P()),
+                             out_specs=kv, check_vma=False)(k_pages, pages, old_pos, new_pos,
+                                                            table)
 
     return repos

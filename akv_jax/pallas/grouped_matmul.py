@@ -25,6 +25,7 @@ packed and dense weights give the same products.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -75,17 +76,29 @@ def dequantize_mxfp4(blocks: jax.Array, scales: jax.Array, dtype: Any) -> jax.Ar
     return jnp.swapaxes(vals, -1, -2).astype(dtype)
 
 
+def _ragged_dot(lhs: jax.Array, rhs: jax.Array | Mxfp4Weight, group_sizes: jax.Array) -> jax.Array:
+    if isinstance(rhs, Mxfp4Weight):
+        rhs = dequantize_mxfp4(rhs.blocks, rhs.scales, lhs.dtype)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+
 def grouped_matmul(
     lhs: jax.Array, rhs: jax.Array | Mxfp4Weight, group_sizes: jax.Array, *,
     impl: str = "auto", tile: int = DEFAULT_TILE,
 ) -> jax.Array:
-    """``impl``: "ragged_dot" (XLA), "tiled" (the scan above) or "auto" (tiled on the CPU)."""
+    """``impl``: "ragged_dot" (XLA), "tiled" (the scan above) or "auto" (tiled on the CPU).
+
+    "auto" is decided when the program is lowered, for the platform it is lowered for
+    (``lax.platform_dependent``), not by this process's default backend: a deviceless
+    compile for a GPU or TPU (akv_jax.aot) gets ragged_dot, as a run there does.
+    """
     if impl == "auto":
-        impl = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+        return jax.lax.platform_dependent(
+            lhs, rhs, group_sizes,
+            cpu=functools.partial(grouped_matmul_tiled, tile=tile), default=_ragged_dot,
+        )
     if impl == "ragged_dot":
-        if isinstance(rhs, Mxfp4Weight):
-            rhs = dequantize_mxfp4(rhs.blocks, rhs.scales, lhs.dtype)
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+        return _ragged_dot(lhs, rhs, group_sizes)
     if impl != "tiled":
         raise ValueError(f"unknown grouped matmul impl {impl!r}")
     return grouped_matmul_tiled(lhs, rhs, group_sizes, tile=tile)

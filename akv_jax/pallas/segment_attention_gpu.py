@@ -33,9 +33,11 @@ from jax.experimental.pallas import triton as plgpu
 from akv_jax.pallas import plan as plan_lib
 from akv_jax.pallas.metadata import NEG_INF, SegmentBatch
 
-# Split-K aims at ~4 programs per SM of a 132-SM H100/H200 (decode streams KV: more resident
-# programs hide more memory latency), with at most 64 splits.
-_TARGET_PROGRAMS = 4 * 132
+# Split-K aims at ~4 programs per SM of the target GPU (decode streams KV: more resident
+# programs hide more memory latency), with at most 64 splits. The SM count comes from the
+# device (``num_cores``: 108 on an A100/A800, 132 on an H100/H200); without one, an H100's.
+_PROGRAMS_PER_SM = 4
+DEFAULT_NUM_CORES = 132
 _MAX_SPLITS = 64
 
 
@@ -145,18 +147,20 @@ def merge_splits(
     return num / jnp.maximum(denom, 1e-30)[..., None]
 
 
-def default_kv_splits(programs: int, max_steps: int) -> int:
-    """Enough splits to give the GPU ~4 programs per SM, never more than there are steps."""
-    if programs >= _TARGET_PROGRAMS:
+def default_kv_splits(programs: int, max_steps: int, num_cores: int = DEFAULT_NUM_CORES) -> int:
+    """Enough splits to give a GPU of ``num_cores`` SMs ~4 programs per SM, never more than
+    there are steps."""
+    target = _PROGRAMS_PER_SM * num_cores
+    if programs >= target:
         return 1
-    return max(1, min(_MAX_SPLITS, -(-_TARGET_PROGRAMS // programs), max_steps))
+    return max(1, min(_MAX_SPLITS, -(-target // programs), max_steps))
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
         "block_q", "sm_scale", "sliding_window", "rows_per_tile", "keys_per_step",
-        "kv_splits", "num_warps", "num_stages", "interpret",
+        "kv_splits", "num_warps", "num_stages", "num_cores", "interpret",
     ),
 )
 def segment_attention_gpu(
@@ -169,14 +173,19 @@ def segment_attention_gpu(
     sm_scale: float,
     sinks: jax.Array | None = None,
     sliding_window: int | None = None,
-    rows_per_tile: int = 64,
+    rows_per_tile: int | None = None,
     keys_per_step: int = 64,
     kv_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    num_cores: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Same contract as ``segment_attention_reference``; see the module docstring."""
+    """Same contract as ``segment_attention_reference``; see the module docstring.
+
+    ``num_cores``: the target GPU's SM count, which sizes split-K (None: an H100's 132).
+    ``rows_per_tile``: query-tile rows (rows x padded group); None picks by dtype and head
+    dim (see below)."""
     T, Hq, Dh = q.shape
     P, ps, Hkv, _ = k_pages.shape
     if Hq % Hkv:
@@ -185,6 +194,11 @@ def segment_attention_gpu(
         raise ValueError(f"the GPU kernel needs a power-of-two page size, got {ps}")
     G = Hq // Hkv
     gp, dp = _pow2(G), max(16, _pow2(Dh))
+    if rows_per_tile is None:
+        # 64-row tiles, except float32 at head dim >= 128: there q, k, v and the accumulator
+        # tiles need more than 255 registers a thread and spill on sm_90 (ptxas' report in a
+        # deviceless compile, akv_jax.aot); 32 rows fit.
+        rows_per_tile = 32 if q.dtype.itemsize >= 4 and dp >= 128 else 64
     # Query rows per tile: a power of two, so the tile (rows x padded group) is one too.
     rows = max(1, min(_pow2(block_q), rows_per_tile // gp))
     M = max(16, rows * gp)
@@ -197,7 +211,9 @@ def segment_attention_gpu(
     )
     NB = blocks.num_blocks
     MPp = plan.pages.shape[1]
-    splits = kv_splits or default_kv_splits(NB * Hkv, -(-MPp // pps))
+    splits = kv_splits or default_kv_splits(
+        NB * Hkv, -(-MPp // pps), num_cores or DEFAULT_NUM_CORES
+    )
     meta = jnp.stack([jnp.maximum(blocks.seg, 0), blocks.kv_pos, plan.lo, plan.hi], axis=1)
     q_tiles = plan_lib.gather_q_tiles(
         q, blocks, rows=rows, num_kv_heads=Hkv, group_pad=gp, head_dim_pad=dp, tile_rows=M

@@ -87,6 +87,7 @@ class DeviceGroup:
             rope,
             attention,
             jnp.asarray(rows),
+            mesh=self.mesh,
         )
         self.kv = kv
         if not logits.is_fully_addressable:  # a mesh over several processes (multi-host)
@@ -102,7 +103,8 @@ class DeviceGroup:
         arr = np.zeros((4, n), np.int32)
         arr[1] = P * ps  # padding copies write out of range
         arr[:, : len(copies)] = np.asarray(copies, np.int32).T
-        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), rope, self._repos)
+        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), rope, self._repos,
+                                 mesh=self.mesh)
 
 
 def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None:
@@ -123,15 +125,29 @@ def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None
     dst.kv = _scatter_pages(dst.kv, jnp.asarray(idx), k, v)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention"), donate_argnums=(4,))
-def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows):
-    return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh"), donate_argnums=(4,))
+def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows,
+                  mesh=None):
+    """One serving step. ``mesh``: the group's tensor-parallel mesh, made the context mesh
+    so that the Pallas kernels run per head shard (see ``dispatch._per_head_shard``)."""
+    if mesh is None:
+        return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("repos",), donate_argnums=(0,))
-def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope, repos) -> KVPool:
+@functools.partial(jax.jit, static_argnames=("repos", "mesh"), donate_argnums=(0,))
+def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope, repos, mesh=None) -> KVPool:
     """Copy keys (re-rotated old_pos -> new_pos) and values from slots ``src`` to ``dst``
-    (``len(src)`` a multiple of :data:`COPY_PAGE`); ``repos`` is a ``make_repos_fn`` function."""
+    (``len(src)`` a multiple of :data:`COPY_PAGE`); ``repos`` is a ``make_repos_fn`` function.
+    ``mesh``: the group's tensor-parallel mesh (the repos kernel runs per head shard)."""
+    if mesh is None:
+        return _rerotate_copy_body(kv, src, dst, old_pos, new_pos, rope, repos)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return _rerotate_copy_body(kv, src, dst, old_pos, new_pos, rope, repos)
+
+
+def _rerotate_copy_body(kv: KVPool, src, dst, old_pos, new_pos, rope, repos) -> KVPool:
     L, P, ps, H, D = kv.k.shape
     n = src.shape[0]
     k = kv.k.reshape(L, P * ps, H, D)
