@@ -7,7 +7,8 @@
 # The toolchains live in their own venv so the main suite's .venv keeps a CPU-only jax (a
 # TPU or CUDA plugin there would be probed at every backend start). jax, jaxlib and the
 # plugins are pinned to the main .venv's exact jax version: the plugins must match jaxlib.
-# Usage: bash scripts/aot.sh [--full]   (--full: the whole matrix, ~30 min on 2 cores)
+# Usage: bash scripts/aot.sh [--full | --build-only]
+#   --full: the whole matrix (~30 min on 2 cores); --build-only: build .venv-aot and stop
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -27,6 +28,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$("$venv/bin/python" -c 'import importlib.m
     "jax-cuda12-plugin==$jv" "jax-cuda12-pjrt==$jv"
   echo "aot: built $venv (jax $jv) in $((SECONDS - start)) s" >&2
 fi
+[ "${1:-}" = "--build-only" ] && exit 0
 py="$venv/bin/python"
 # Read when jax's backends start: no local driver/cuDNN check; ptxas' -v report logged.
 export JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=subprocess_compilation=2 \

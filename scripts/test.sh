@@ -5,12 +5,20 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/venv.sh dev
 py=.venv/bin/python
-# Main suite (one process), then the 8-device tests in their own process: XLA_FLAGS must be
-# set before jax is imported.
-"$py" -m pytest -q -ra "$@"
+# The deviceless-compile venv (.venv-aot: mostly downloads) builds while the suite runs.
+mkdir -p .ci-logs
+bash scripts/aot.sh --build-only > .ci-logs/aot-build.log 2>&1 &
+aot_build=$!
+# Main suite, then the 8-device tests in their own processes (XLA_FLAGS must be set before
+# jax is imported). Two pytest-xdist workers each, a test file per worker at a time: most of
+# the suite is single-threaded (XLA compiles, Pallas interpret mode), and a module keeps its
+# fixtures in one process.
+workers="${AKV_TEST_WORKERS:-2}"
+"$py" -m pytest -q -ra -n "$workers" --dist loadfile "$@"
 XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra \
-  -m "multidevice and not slow" \
+  -n "$workers" --dist loadfile -m "multidevice and not slow" \
   tests/
 # Deviceless compiles for every GPU and TPU target (own venv, own processes): fails CI when a
 # target rejects a kernel or the serving step.
+wait "$aot_build" || { cat .ci-logs/aot-build.log >&2; exit 1; }
 bash scripts/aot.sh
