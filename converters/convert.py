@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from akv_jax.model import checkpoint
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.params import ArrayInfo, Params, params_from_arrays
+from akv_jax.model.params import ArrayInfo, Params, params_from_arrays, stack_layers, stack_row
 from converters.mapping import ConversionError, Target, hf_name_for, hf_target
 from converters.sources import Source
 
@@ -24,10 +24,12 @@ def plan(source: Source) -> dict[str, Target]:
     """Check every tensor name and shape against the config, and that nothing is missing.
 
     Runs on header information only, so a bad checkpoint fails before any weight is read.
+    Expert weights may come whole (``[E, ...]``) or one tensor per expert (Qwen3-MoE), never
+    both for one layer.
     """
     cfg = source.config
     targets: dict[str, Target] = {}
-    seen: set[tuple[str, int | None]] = set()
+    seen: set[tuple[str, int | None, int | None]] = set()
     for name, shape in source.shapes.items():
         tgt = hf_target(name, cfg)
         if tgt is None:
@@ -37,12 +39,28 @@ def plan(source: Source) -> dict[str, Target]:
                 f"shape mismatch for {name}: checkpoint has {shape}, config implies {tgt.hf_shape}"
             )
         targets[name] = tgt
-        seen.update((path, tgt.layer) for path, _ in tgt.outputs())
-    for path in _abstract_paths(cfg):
-        layers = range(cfg.num_layers) if path.startswith("layers.") else [None]
+        seen.update((path, tgt.layer, tgt.expert) for path, _ in tgt.outputs())
+    for path, info in _abstract_paths(cfg).items():
+        field = path.removeprefix("layers.")
+        layers = stack_layers(cfg, field) if path.startswith("layers.") else [None]
+        per_expert = info.axes[1:2] == ("expert",)
         for layer in layers:
-            if (path, layer) not in seen:
-                raise ConversionError(f"checkpoint lacks tensor {hf_name_for(path, layer)}")
+            whole = (path, layer, None) in seen
+            experts = [e for e in range(cfg.num_experts) if (path, layer, e) in seen] if (
+                per_expert) else []
+            if whole and experts:
+                raise ConversionError(
+                    f"checkpoint stores {hf_name_for(path, layer, cfg.arch)} both whole and per "
+                    f"expert"
+                )
+            if whole or len(experts) == cfg.num_experts:
+                continue
+            if experts:  # some experts of this layer, not all
+                e = next(e for e in range(cfg.num_experts) if e not in experts)
+                name = hf_name_for(path, layer, cfg.arch, e)
+            else:
+                name = hf_name_for(path, layer, cfg.arch)
+            raise ConversionError(f"checkpoint lacks tensor {name}")
     return targets
 
 
@@ -76,8 +94,11 @@ def build_params(source: Source, dtype: str = "float32", progress: bool = True) 
                 out = transform(np.asarray(w), cfg)
                 if tgt.layer is None:
                     arrays[path][...] = out
+                elif tgt.expert is None:
+                    arrays[path][stack_row(cfg, path.removeprefix("layers."), tgt.layer)] = out
                 else:
-                    arrays[path][tgt.layer] = out
+                    row = stack_row(cfg, path.removeprefix("layers."), tgt.layer)
+                    arrays[path][row, tgt.expert] = out
             bar.update(1)
     return params_from_arrays(cfg, arrays, dtype=np_dtype)
 

