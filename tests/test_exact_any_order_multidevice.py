@@ -46,6 +46,19 @@ def test_gpt_oss_exact_in_any_order_multidevice(topology):
                     num_requests=8, history_seed=14, order_seed=14)
 
 
+@pytest.mark.parametrize("topology", [
+    {"tp": 2},
+    pytest.param({"disaggregate": (2, 2)}, marks=pytest.mark.slow),  # as gpt-oss's
+], ids=["tp2", "disaggregate-2-2"])
+def test_qwen3_moe_exact_in_any_order_multidevice(topology):
+    """tiny-qwen3-moe (dense and MoE layers, softmax router, q/k norms): the same protocol,
+    against the dense reference."""
+    if jax.device_count() < 4:
+        pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
+    _check_protocol(load_model("tiny-qwen3-moe"), topology,
+                    num_requests=8, history_seed=16, order_seed=16)
+
+
 def _check_protocol(model, topology: dict, num_requests: int, history_seed: int,
                     order_seed: int) -> None:
     """Random histories through exact_in_any_order on ``topology``, against the dense
