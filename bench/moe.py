@@ -1,4 +1,5 @@
-"""The GPT-OSS MoE layer: grouped matmuls (ragged_dot) against a dense all-experts einsum.
+"""The GPT-OSS and Qwen3-MoE layers: grouped matmuls (ragged_dot) against a dense all-experts
+einsum.
 
     python bench/moe.py [--tokens 64 256] [--scale 4] [--repeats 7] [--dtype bfloat16]
 
@@ -22,7 +23,14 @@ the same function). Memory: the bytes the expert weights take on the device dequ
 placed on the device the same way. (Serving with packed experts, ``--moe-weight-format
 mxfp4``, is not built yet: this is the layout's footprint, not a serving run.)
 
-Results go to bench/results/moe.json (all runs kept); the last line printed is the summary.
+The same comparison runs for the Qwen3-MoE router and experts (softmax over all experts in
+float32, top-k renormalised, ``silu(gate) * up``, no biases) at Qwen3-30B-A3B's MLP shape
+(hidden 2048, expert width 768, 128 experts, top-8; the two widths divided by ``--scale``):
+one line per token count prefixed ``qwen3_moe``, then its summary line (skip with
+``--families gpt_oss``).
+
+Results go to bench/results/moe.json (all runs kept; the Qwen3-MoE runs under ``qwen3_moe``);
+the last line printed is the GPT-OSS summary.
 """
 
 from __future__ import annotations
@@ -43,21 +51,29 @@ import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
 
 from akv_jax.model.config import tiny_config
-from akv_jax.model.moe import clamped_swiglu, moe_mlp, route
+from akv_jax.model.moe import clamped_swiglu, moe_mlp, route, route_softmax_topk
 from akv_jax.pallas import grouped_matmul as gmm
 from converters import mxfp4
 
 HERE = Path(__file__).resolve().parent
 GPT_OSS_20B = dict(hidden=2880, expert_width=2880, experts=32, top_k=4)
+QWEN3_30B_A3B = dict(hidden=2048, expert_width=768, experts=128, top_k=8)
 
 
 def make_layer(cfg, rng: np.random.Generator, dtype) -> SimpleNamespace:
     """Router and expert weights of one MoE layer (random, at realistic scales)."""
-    D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    D, F, E = cfg.hidden_size, cfg.expert_width, cfg.num_experts
 
     def w(*shape, fan_in):
         return jnp.asarray(rng.normal(0, fan_in**-0.5, shape), dtype)
 
+    if cfg.arch == "qwen3_moe":  # no biases
+        return SimpleNamespace(
+            router=w(D, E, fan_in=D), router_bias=None,
+            expert_gate=w(E, D, F, fan_in=D), expert_gate_bias=None,
+            expert_up=w(E, D, F, fan_in=D), expert_up_bias=None,
+            expert_down=w(E, F, D, fan_in=F), expert_down_bias=None,
+        )
     return SimpleNamespace(
         router=w(D, E, fan_in=D), router_bias=w(E, fan_in=1),
         expert_gate=w(E, D, F, fan_in=D), expert_gate_bias=w(E, F, fan_in=F),
@@ -68,6 +84,8 @@ def make_layer(cfg, rng: np.random.Generator, dtype) -> SimpleNamespace:
 
 def dense_all_experts(cfg, lp, h: jax.Array) -> jax.Array:
     """Every token through every expert; the routing weights pick the k that count."""
+    if cfg.arch == "qwen3_moe":
+        return _dense_all_experts_qwen3_moe(cfg, lp, h)
     experts, weights = route(cfg, lp, h)
     dense_w = jnp.zeros((h.shape[0], cfg.num_experts), jnp.float32)
     dense_w = dense_w.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)
@@ -75,6 +93,16 @@ def dense_all_experts(cfg, lp, h: jax.Array) -> jax.Array:
     up = jnp.einsum("td,edf->tef", h, lp.expert_up) + lp.expert_up_bias
     act = clamped_swiglu(cfg, gate, up).astype(h.dtype)
     out = jnp.einsum("tef,efd->ted", act, lp.expert_down) + lp.expert_down_bias
+    return jnp.einsum("ted,te->td", out, dense_w.astype(out.dtype)).astype(h.dtype)
+
+
+def _dense_all_experts_qwen3_moe(cfg, lp, h: jax.Array) -> jax.Array:
+    experts, weights = route_softmax_topk(cfg, lp, h)
+    dense_w = jnp.zeros((h.shape[0], cfg.num_experts), jnp.float32)
+    dense_w = dense_w.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)
+    gate = jnp.einsum("td,edf->tef", h, lp.expert_gate)
+    act = (jax.nn.silu(gate) * jnp.einsum("td,edf->tef", h, lp.expert_up)).astype(h.dtype)
+    out = jnp.einsum("tef,efd->ted", act, lp.expert_down)
     return jnp.einsum("ted,te->td", out, dense_w.astype(out.dtype)).astype(h.dtype)
 
 
@@ -110,12 +138,38 @@ def expert_bytes(lp, dtype) -> tuple[int, int]:
     return dense, packed
 
 
+def run_rows(cfg, lp, tokens, rng, dtype, repeats: int, prefix: str) -> list[dict]:
+    """Grouped, XLA ragged_dot and dense all-experts timings of one layer per token count."""
+    grouped = jax.jit(lambda h: moe_mlp(cfg, lp, h))
+    xla = jax.jit(lambda h: _with_xla_ragged_dot(cfg, lp, h))
+    dense = jax.jit(lambda h: dense_all_experts(cfg, lp, h))
+    rows = []
+    for T in tokens:
+        h = jnp.asarray(rng.normal(0, 1, (T, cfg.hidden_size)), dtype)
+        ref = dense(h).astype(jnp.float32)
+        diff = float(jnp.max(jnp.abs(grouped(h).astype(jnp.float32) - ref)))
+        t_grouped = timed(grouped, h, repeats=repeats)
+        t_xla = timed(xla, h, repeats=repeats)
+        t_dense = timed(dense, h, repeats=repeats)
+        rows.append(dict(tokens=T, grouped_s=t_grouped, xla_ragged_dot_s=t_xla, dense_s=t_dense,
+                         grouped_tok_s=T / t_grouped, dense_tok_s=T / t_dense,
+                         ratio=t_dense / t_grouped, xla_ragged_dot_ratio=t_dense / t_xla,
+                         max_abs_diff=diff))
+        print(f"{prefix}T={T:5d}: grouped {T / t_grouped:8.1f} tok/s, XLA ragged_dot "
+              f"{T / t_xla:8.1f}, dense all-experts {T / t_dense:8.1f}: grouped "
+              f"{t_dense / t_grouped:.2f}x, ragged_dot {t_dense / t_xla:.2f}x of dense; "
+              f"max |diff| {diff:.2e}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[64, 256])
     p.add_argument("--scale", type=int, default=4, help="divide GPT-OSS-20B's widths by this")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--families", nargs="+", default=["gpt_oss", "qwen3_moe"],
+                   choices=["gpt_oss", "qwen3_moe"], help="gpt_oss always runs (last line)")
     p.add_argument("--out", default=str(HERE / "results" / "moe.json"))
     args = p.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
@@ -127,25 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     rng = np.random.default_rng(0)
     lp = make_layer(cfg, rng, dtype)
-    grouped = jax.jit(lambda h: moe_mlp(cfg, lp, h))
-    xla = jax.jit(lambda h: _with_xla_ragged_dot(cfg, lp, h))
-    dense = jax.jit(lambda h: dense_all_experts(cfg, lp, h))
-    rows = []
-    for T in args.tokens:
-        h = jnp.asarray(rng.normal(0, 1, (T, width)), dtype)
-        ref = dense(h).astype(jnp.float32)
-        diff = float(jnp.max(jnp.abs(grouped(h).astype(jnp.float32) - ref)))
-        t_grouped = timed(grouped, h, repeats=args.repeats)
-        t_xla = timed(xla, h, repeats=args.repeats)
-        t_dense = timed(dense, h, repeats=args.repeats)
-        rows.append(dict(tokens=T, grouped_s=t_grouped, xla_ragged_dot_s=t_xla, dense_s=t_dense,
-                         grouped_tok_s=T / t_grouped, dense_tok_s=T / t_dense,
-                         ratio=t_dense / t_grouped, xla_ragged_dot_ratio=t_dense / t_xla,
-                         max_abs_diff=diff))
-        print(f"T={T:5d}: grouped {T / t_grouped:8.1f} tok/s, XLA ragged_dot "
-              f"{T / t_xla:8.1f}, dense all-experts {T / t_dense:8.1f}: grouped "
-              f"{t_dense / t_grouped:.2f}x, ragged_dot {t_dense / t_xla:.2f}x of dense; "
-              f"max |diff| {diff:.2e}")
+    rows = run_rows(cfg, lp, args.tokens, rng, dtype, args.repeats, prefix="")
+    qwen = None
+    if "qwen3_moe" in args.families:
+        q = QWEN3_30B_A3B
+        qcfg = dataclasses.replace(
+            tiny_config("qwen3_moe"), hidden_size=q["hidden"] // args.scale,
+            moe_intermediate_size=q["expert_width"] // args.scale, num_experts=q["experts"],
+            num_experts_per_tok=q["top_k"], norm_topk_prob=True,
+        )
+        qrows = run_rows(qcfg, make_layer(qcfg, rng, dtype), args.tokens, rng, dtype,
+                         args.repeats, prefix="qwen3_moe ")
+        qratio = statistics.median(r["ratio"] for r in qrows)
+        qwen = dict(shape=dict(hidden=qcfg.hidden_size, expert_width=qcfg.expert_width,
+                               experts=qcfg.num_experts, top_k=qcfg.num_experts_per_tok),
+                    runs=qrows, median_ratio=qratio)
+        print(f"qwen3_moe: ragged_dot {qratio:.2f}x of dense all-experts tokens/s "
+              f"({qcfg.num_experts} experts top-{qcfg.num_experts_per_tok}, softmax router)")
     dense_b, packed_b = expert_bytes(lp, dtype)
     ratio = statistics.median(r["ratio"] for r in rows)
     mem = packed_b / dense_b
@@ -157,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         runs=rows, median_ratio=ratio,
         expert_bytes=dict(dequantised=dense_b, packed_mxfp4=packed_b, ratio=mem),
     )
+    if qwen is not None:
+        result["qwen3_moe"] = qwen
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     history = json.loads(out.read_text()) if out.exists() else []
