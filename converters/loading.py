@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.model import checkpoint
+from akv_jax.model.chat_template import QWEN3_STYLE_TEMPLATE
 from akv_jax.model.config import (
     ModelConfig,
     tiny_config,
@@ -55,6 +56,8 @@ TINY_MODELS = {
     "tiny-gpt-oss": tiny_gpt_oss_config,
     "tiny-qwen3-moe": tiny_qwen3_moe_config,
 }
+# Their chat templates where not plain ChatML.
+TINY_TEMPLATES = {"tiny-qwen3-moe": QWEN3_STYLE_TEMPLATE}
 
 
 class ModelLoadError(ValueError):
@@ -177,7 +180,10 @@ def _load(path_or_name: str | Path | None, dtype: Any, progress: bool) -> Loaded
     if name in TINY_MODELS:
         cfg = TINY_MODELS[name]()
         params = seeded_params(cfg, TINY_SEED, dt)
-        return LoadedModel(cfg, params, ChatTokenizer.byte_level_chatml(cfg.vocab_size), name)
+        tok = ChatTokenizer.byte_level_chatml(cfg.vocab_size)
+        if name in TINY_TEMPLATES:
+            tok = ChatTokenizer(tok.tokenizer, TINY_TEMPLATES[name], tok.special_tokens)
+        return LoadedModel(cfg, params, tok, name)
 
     path = Path(name).expanduser()
     try:

@@ -193,11 +193,30 @@ def test_tiny_qwen3_moe_model():
     assert m.tokenizer is not None and m.tokenizer.vocab_size == m.cfg.vocab_size
 
 
-def test_tiny_qwen3_moe_chat_segments():
+def test_tiny_qwen3_moe_chat_segments_with_reasoning():
+    """tiny-qwen3-moe's Qwen3-style template drops an assistant turn's reasoning once a user
+    message follows: each segment is still its message's text in the full rendering, and the
+    segments concatenate to apply_chat_template."""
     tok = load_model("tiny-qwen3-moe").tokenizer
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
-    segs = tok.encode_messages(msgs, add_generation_prompt=True)
-    assert len(segs) == 5
-    assert [t for s in segs for t in s] == tok.apply_chat_template(msgs, True)
-    assert segs[:3] == tok.encode_messages(msgs[:3])  # earlier segments stay stable
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning_content": "greet back"},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "done", "reasoning_content": "use 42"},
+    ]
+    segs = tok.encode_messages(msgs, add_generation_prompt=False)
+    assert [t for s in segs for t in s] == tok.apply_chat_template(msgs, False)
+    assert [tok.decode(s) for s in segs] == [
+        "<|im_start|>system\nbe brief<|im_end|>\n",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "<|im_start|>assistant\n<think>\ngreet back\n</think>\n\nhello<|im_end|>\n",
+        "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n",
+        "<|im_start|>assistant\n<think>\nuse 42\n</think>\n\ndone<|im_end|>\n",
+    ]
+    later = tok.encode_messages([*msgs, {"role": "user", "content": "bye"}], True)
+    assert later[:2] == segs[:2] and later[3] == segs[3]  # stable before the reasoning turn
+    assert tok.decode(later[2]) == "<|im_start|>assistant\nhello<|im_end|>\n"
+    assert tok.decode(later[-1]) == "<|im_start|>assistant\n"
+    off = tok.encode_messages(msgs[:2], True, enable_thinking=False)
+    assert tok.decode(off[-1]) == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
