@@ -125,7 +125,7 @@ def pack_experts(cfg: ModelConfig, params: Params) -> Params:
     exactly, so serving it packed computes with the very same weights. A dense checkpoint is
     quantised (lossy).
     """
-    if not cfg.is_moe:
+    if not cfg.is_moe or params.layers.expert_gate is None:
         raise ModelLoadError("--moe-weight-format mxfp4 needs a mixture-of-experts model")
     width = ("moe_intermediate_size" if cfg.moe_intermediate_size else "intermediate_size",
              cfg.expert_width)

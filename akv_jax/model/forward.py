@@ -89,7 +89,6 @@ def _grouped_layers(cfg: ModelConfig, layers: LayerParams, period: int) -> Layer
     """Every stack reshaped to [groups, rows per group, ...] (the rows of a field stacked over
     one MLP kind are that kind's layers of the group, in order)."""
     groups = cfg.num_layers // period
-
     return jax.tree.map(lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:]), layers)
 
 
