@@ -53,7 +53,7 @@ def plan(source: Source) -> dict[str, Target]:
                     f"checkpoint stores {hf_name_for(path, layer, cfg.arch)} both whole and per "
                     f"expert"
                 )
-            if whole or len(experts) == cfg.num_experts:
+            if whole or (per_expert and len(experts) == cfg.num_experts):
                 continue
             if experts:  # some experts of this layer, not all
                 e = next(e for e in range(cfg.num_experts) if e not in experts)
