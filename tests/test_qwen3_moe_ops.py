@@ -4,7 +4,7 @@ operation (DESIGN §2.1): the naive float64 dense reference against transformers
 pallas attention) against the dense reference on random op histories, repositions after middle
 drops included.
 
-CI runs a few histories per path; ``-m slow`` runs 200 for the cache paths and 200 through the
+CI runs a few histories per path; ``-m slow`` runs 200 for the cache paths and 250 through the
 engine (reference, auto and pallas backends together).
 """
 
