@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from akv_jax.model import checkpoint
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.params import ArrayInfo, Params, params_from_arrays
+from akv_jax.model.params import ArrayInfo, Params, params_from_arrays, stack_layers, stack_row
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 from converters.mapping import PACKABLE, ConversionError, Target, hf_name_for, hf_target
 from converters.sources import Source
@@ -25,11 +25,12 @@ def plan(source: Source) -> dict[str, Target]:
     """Check every tensor name and shape against the config, and that nothing is missing.
 
     Runs on header information only, so a bad checkpoint fails before any weight is read.
+    Expert weights may come whole (``[E, ...]``) or one tensor per expert (Qwen3-MoE), never
+    both for one layer.
     """
     cfg = source.config
     targets: dict[str, Target] = {}
-    seen: set[tuple[str, int | None]] = set()
-    experts: dict[tuple[str, int | None], set[int]] = {}  # per-expert tensors (MiniMax-M2)
+    seen: set[tuple[str, int | None, int | None]] = set()
     for name, shape in source.shapes.items():
         tgt = hf_target(name, cfg)
         if tgt is None:
@@ -39,23 +40,28 @@ def plan(source: Source) -> dict[str, Target]:
                 f"shape mismatch for {name}: checkpoint has {shape}, config implies {tgt.hf_shape}"
             )
         targets[name] = tgt
-        if tgt.expert is not None:
-            experts.setdefault((tgt.path, tgt.layer), set()).add(tgt.expert)
-            continue
-        seen.update((path, tgt.layer) for path, _ in tgt.outputs())
-    for key, got in experts.items():
-        if len(got) == cfg.num_experts:
-            seen.add(key)
-        elif key not in seen:
-            missing = min(set(range(cfg.num_experts)) - got)
-            name = hf_name_for(*key, cfg.arch).replace("{e}", str(missing))
-            raise ConversionError(f"checkpoint lacks tensor {name}")
-    for path in _abstract_paths(cfg):
-        layers = range(cfg.num_layers) if path.startswith("layers.") else [None]
+        seen.update((path, tgt.layer, tgt.expert) for path, _ in tgt.outputs())
+    for path, info in _abstract_paths(cfg).items():
+        field = path.removeprefix("layers.")
+        layers = stack_layers(cfg, field) if path.startswith("layers.") else [None]
+        per_expert = info.axes[1:2] == ("expert",)
         for layer in layers:
-            if (path, layer) not in seen:
-                name = hf_name_for(path, layer, cfg.arch).replace("{e}", "*")
-                raise ConversionError(f"checkpoint lacks tensor {name}")
+            whole = (path, layer, None) in seen
+            experts = [e for e in range(cfg.num_experts) if (path, layer, e) in seen] if (
+                per_expert) else []
+            if whole and experts:
+                raise ConversionError(
+                    f"checkpoint stores {hf_name_for(path, layer, cfg.arch)} both whole and per "
+                    f"expert"
+                )
+            if whole or (per_expert and len(experts) == cfg.num_experts):
+                continue
+            if experts:  # some experts of this layer, not all
+                e = next(e for e in range(cfg.num_experts) if e not in experts)
+                name = hf_name_for(path, layer, cfg.arch, e)
+            else:
+                name = hf_name_for(path, layer, cfg.arch)
+            raise ConversionError(f"checkpoint lacks tensor {name}")
     return targets
 
 
@@ -113,22 +119,25 @@ def build_params(
             for path, transform in tgt.outputs():
                 if isinstance(w, Mxfp4Weight):
                     out = transform(w, cfg)
-                    _put(arrays[f"{path}.blocks"], tgt, out.blocks)
-                    _put(arrays[f"{path}.scales"], tgt, out.scales)
+                    _put(arrays[f"{path}.blocks"], cfg, path, tgt, out.blocks)
+                    _put(arrays[f"{path}.scales"], cfg, path, tgt, out.scales)
                 else:
-                    _put(arrays[path], tgt, transform(np.asarray(w), cfg))
+                    _put(arrays[path], cfg, path, tgt, transform(np.asarray(w), cfg))
             bar.update(1)
     return params_from_arrays(cfg, arrays, dtype=np_dtype)
 
 
-def _put(dst: np.ndarray, tgt: Target, value: np.ndarray) -> None:
-    # A whole tensor, one layer's slice, or (per-expert checkpoints) one (layer, expert) slice.
+def _put(dst: np.ndarray, cfg: ModelConfig, path: str, tgt: Target, value: np.ndarray) -> None:
+    # A whole tensor, one layer's row of its kind's stack (dense and MoE layers stack apart:
+    # stack_row), or (per-expert checkpoints) one (row, expert) slice.
     if tgt.layer is None:
         dst[...] = value
-    elif tgt.expert is None:
-        dst[tgt.layer] = value
+        return
+    row = stack_row(cfg, path.removeprefix("layers."), tgt.layer)
+    if tgt.expert is None:
+        dst[row] = value
     else:
-        dst[tgt.layer, tgt.expert] = value
+        dst[row, tgt.expert] = value
 
 
 def convert_to_checkpoint(

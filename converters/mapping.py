@@ -7,6 +7,15 @@ are transposes and reshapes only (values are never changed). Expert weights a re
 checkpoint stores packed can also be mapped packed (:data:`PACKABLE`): their transforms
 (identity; gate_up_proj's even / odd columns, which are whole rows of the packed layout)
 never decode a value.
+
+Qwen3-MoE and MiniMax-M2 checkpoints store one tensor per expert (Qwen3-MoE's
+``mlp.experts.{e}.{gate,up,down}_proj.weight``, MiniMax-M2's
+``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, as released and as transformers 5
+``save_pretrained`` writes them); the rule's second group is the expert, and the converter
+stacks the E tensors into the ``[E, ...]`` expert weights. transformers' in-memory fused layout
+(``mlp.experts.gate_up_proj`` ``[E, 2F, D]`` with gate the first half, ``down_proj``
+``[E, D, F]``) is accepted too. Those names clash with GPT-OSS's interleaved layout, so they
+live in per-architecture rules consulted first (:data:`_ARCH_RULES`).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import jax
 import numpy as np
 
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.params import PACKABLE_FIELDS, ArrayInfo, Params
+from akv_jax.model.params import PACKABLE_FIELDS, ArrayInfo, Params, stack_row
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 from converters import mxfp4
 
@@ -44,8 +53,8 @@ class Target:
     # Further params filled from the same tensor (GPT-OSS's interleaved gate_up_proj fills
     # both the expert gate and up weights): (path, transform) pairs.
     extra: tuple[tuple[str, Transform], ...] = ()
-    # One expert of a per-expert checkpoint tensor (MiniMax-M2's ``experts.{e}.w1``): the
-    # tensor fills ``[layer, expert]`` of the stacked param; None: the whole layer slice.
+    # The expert this tensor holds (per-expert checkpoints: Qwen3-MoE, MiniMax-M2): it fills
+    # ``[layer, expert]`` of the stacked param; None for whole tensors.
     expert: int | None = None
 
     def outputs(self) -> tuple[tuple[str, Transform], ...]:
@@ -231,31 +240,81 @@ _RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform
 _COMPILED = [(re.compile(pat), path, shape, fn) for pat, path, shape, fn in _RULES]
 
 
-def _mm_first(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    # HF MiniMax-M2 gate_up_proj [E, 2F, D]: gate is the first half (``chunk(2, dim=-1)``)
-    return np.ascontiguousarray(w[:, : cfg.intermediate_size].transpose(0, 2, 1))
-
-
-def _mm_second(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return np.ascontiguousarray(w[:, cfg.intermediate_size :].transpose(0, 2, 1))
-
-
-def _swap_last(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return np.ascontiguousarray(w.transpose(0, 2, 1))  # [E, D, F] -> [E, F, D]
-
-
 def _norm_heads(n_heads: Callable[[ModelConfig], int]) -> Transform:
     # MiniMax-M2's q/k norm weight over the whole projection: [H*Dh] -> [H, Dh]
     return lambda w, cfg: w.reshape(n_heads(cfg), cfg.head_dim)
 
 
-_MOE = r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)"
-# MiniMax-M2, tried before _RULES for that architecture. Two layouts are accepted: the
-# released one, which transformers 5.24's save_pretrained also writes (``block_sparse_moe``,
-# one ``w1``/``w3``/``w2`` [out, in] tensor per expert: group 2 is the expert), and
-# transformers' in-memory one (``mlp.experts.gate_up_proj`` [E, 2F, D], gate first, and
-# ``down_proj`` [E, D, F]).
-_MINIMAX_RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform]] = [
+# Params that may be filled from a packed MXFP4 tensor and stay packed (Mxfp4Weight).
+PACKABLE = frozenset(f"layers.{f}" for f in PACKABLE_FIELDS)
+# The odd half of an interleaved tensor: param path -> (path it rides with, transform).
+_EXTRA = {
+    "layers.expert_gate": (("layers.expert_up", _odd),),
+    "layers.expert_gate_bias": (("layers.expert_up_bias", _odd),),
+}
+
+
+def _experts_t(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return np.ascontiguousarray(np.swapaxes(w, -1, -2))  # [E, out, in] -> [E, in, out]
+
+
+def _first_half_t(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return _experts_t(w[:, : cfg.expert_width], cfg)  # fused gate_up_proj: gate first
+
+
+def _second_half_t(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return _experts_t(w[:, cfg.expert_width :], cfg)
+
+
+_QWEN3_MOE_RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform]] = [
+    (
+        r"model\.layers\.(\d+)\.mlp\.gate\.weight",
+        "layers.router",
+        lambda c: (c.num_experts, c.hidden_size),
+        _t,
+    ),
+    # One tensor per expert (released layout and transformers 5's save_pretrained).
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight",
+        "layers.expert_gate",
+        lambda c: (c.expert_width, c.hidden_size),
+        _t,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.up_proj\.weight",
+        "layers.expert_up",
+        lambda c: (c.expert_width, c.hidden_size),
+        _t,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight",
+        "layers.expert_down",
+        lambda c: (c.hidden_size, c.expert_width),
+        _t,
+    ),
+    # transformers' fused in-memory layout (save_original_format=False).
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj",
+        "layers.expert_gate",
+        lambda c: (c.num_experts, 2 * c.expert_width, c.hidden_size),
+        _first_half_t,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.down_proj",
+        "layers.expert_down",
+        lambda c: (c.num_experts, c.hidden_size, c.expert_width),
+        _experts_t,
+    ),
+]
+
+_MM = r"model\.layers\.(\d+)\.block_sparse_moe"
+_MM_ANY = r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)"
+# MiniMax-M2. Two layouts: the released one, which transformers 5.24's save_pretrained also
+# writes (``block_sparse_moe``, one ``w1``/``w3``/``w2`` [out, in] tensor per expert: group 2
+# is the expert), and transformers' in-memory one (``mlp.gate``, ``mlp.experts.gate_up_proj``
+# [E, 2F, D], gate first, and ``down_proj`` [E, D, F]). The released names come first: error
+# messages name a missing tensor by the first rule that fills its param.
+_MINIMAX_M2_RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], Transform]] = [
     (
         r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight",
         "layers.q_norm",
@@ -268,52 +327,67 @@ _MINIMAX_RULES: list[tuple[str, str, Callable[[ModelConfig], tuple[int, ...]], T
         lambda c: (c.num_kv_heads * c.head_dim,),
         _norm_heads(_KV),
     ),
-    (_MOE + r"\.gate\.weight", "layers.router", lambda c: (c.num_experts, c.hidden_size), _t),
+    (_MM + r"\.gate\.weight", "layers.router", lambda c: (c.num_experts, c.hidden_size), _t),
     (
-        _MOE + r"\.(?:gate\.)?e_score_correction_bias",
+        _MM + r"\.e_score_correction_bias",
         "layers.router_score_bias",
         lambda c: (c.num_experts,),
         _ident,
     ),
     (
-        _MOE + r"\.experts\.(\d+)\.w1\.weight",
+        _MM + r"\.experts\.(\d+)\.w1\.weight",
         "layers.expert_gate",
-        lambda c: (c.intermediate_size, c.hidden_size),
+        lambda c: (c.expert_width, c.hidden_size),
         _t,
     ),
     (
-        _MOE + r"\.experts\.(\d+)\.w3\.weight",
+        _MM + r"\.experts\.(\d+)\.w3\.weight",
         "layers.expert_up",
-        lambda c: (c.intermediate_size, c.hidden_size),
+        lambda c: (c.expert_width, c.hidden_size),
         _t,
     ),
     (
-        _MOE + r"\.experts\.(\d+)\.w2\.weight",
+        _MM + r"\.experts\.(\d+)\.w2\.weight",
         "layers.expert_down",
-        lambda c: (c.hidden_size, c.intermediate_size),
+        lambda c: (c.hidden_size, c.expert_width),
         _t,
     ),
     (
-        _MOE + r"\.experts\.gate_up_proj",
+        r"model\.layers\.(\d+)\.mlp\.gate\.weight",
+        "layers.router",
+        lambda c: (c.num_experts, c.hidden_size),
+        _t,
+    ),
+    (
+        _MM_ANY + r"\.(?:gate\.)?e_score_correction_bias",
+        "layers.router_score_bias",
+        lambda c: (c.num_experts,),
+        _ident,
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj",
         "layers.expert_gate",
-        lambda c: (c.num_experts, 2 * c.intermediate_size, c.hidden_size),
-        _mm_first,
+        lambda c: (c.num_experts, 2 * c.expert_width, c.hidden_size),
+        _first_half_t,
     ),
     (
-        _MOE + r"\.experts\.down_proj",
+        r"model\.layers\.(\d+)\.mlp\.experts\.down_proj",
         "layers.expert_down",
-        lambda c: (c.num_experts, c.hidden_size, c.intermediate_size),
-        _swap_last,
+        lambda c: (c.num_experts, c.hidden_size, c.expert_width),
+        _experts_t,
     ),
 ]
-_MINIMAX_COMPILED = [(re.compile(pat), path, shape, fn) for pat, path, shape, fn in _MINIMAX_RULES]
-_MINIMAX_EXTRA = {"layers.expert_gate": (("layers.expert_up", _mm_second),)}
-# Params that may be filled from a packed MXFP4 tensor and stay packed (Mxfp4Weight).
-PACKABLE = frozenset(f"layers.{f}" for f in PACKABLE_FIELDS)
-# The odd half of an interleaved tensor: param path -> (path it rides with, transform).
-_EXTRA = {
-    "layers.expert_gate": (("layers.expert_up", _odd),),
-    "layers.expert_gate_bias": (("layers.expert_up_bias", _odd),),
+# Architecture -> rules tried before the common ones, and the second outputs of some of them
+# (keyed by the rule's pattern: only the fused tensor fills two params).
+_ARCH_RULES = {"qwen3_moe": _QWEN3_MOE_RULES, "minimax_m2": _MINIMAX_M2_RULES}
+_FUSED_GATE_UP = r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj"
+_ARCH_EXTRA = {
+    arch: {_FUSED_GATE_UP: (("layers.expert_up", _second_half_t),)}
+    for arch in ("qwen3_moe", "minimax_m2")
+}
+_ARCH_COMPILED = {
+    arch: [(re.compile(pat), path, shape, fn) for pat, path, shape, fn in rules]
+    for arch, rules in _ARCH_RULES.items()
 }
 
 
@@ -339,11 +413,8 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         return None
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None  # some tied checkpoints store the (identical) head anyway
-    if cfg.arch == "minimax_m2":
-        tgt = _minimax_target(name, cfg)
-        if tgt is not None:
-            return tgt
-    for pat, path, shape, fn in _COMPILED:
+    arch_rules = _ARCH_COMPILED.get(cfg.arch, [])
+    for i, (pat, path, shape, fn) in enumerate([*arch_rules, *_COMPILED]):
         m = pat.fullmatch(name)
         if m is None:
             continue
@@ -354,50 +425,43 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
             raise ConversionError(
                 f"tensor {name}: layer {layer} >= num_hidden_layers {cfg.num_layers}"
             )
-        return Target(path, layer, shape(cfg), fn, _EXTRA.get(path, ()))
-    raise ConversionError(f"unexpected tensor {name} (not part of a supported {cfg.arch} model)")
-
-
-def _minimax_target(name: str, cfg: ModelConfig) -> Target | None:
-    for pat, path, shape, fn in _MINIMAX_COMPILED:
-        m = pat.fullmatch(name)
-        if m is None:
-            continue
-        layer = int(m.group(1))
-        if not 0 <= layer < cfg.num_layers:
+        if layer is not None and stack_row(cfg, path.removeprefix("layers."), layer) is None:
+            kind = "an MoE" if cfg.is_moe_layer(layer) else "a dense"
             raise ConversionError(
-                f"tensor {name}: layer {layer} >= num_hidden_layers {cfg.num_layers}"
+                f"unexpected tensor {name}: layer {layer} has {kind} MLP in this config "
+                f"(mlp_only_layers / decoder_sparse_step)"
             )
         expert = int(m.group(2)) if len(m.groups()) > 1 else None
         if expert is not None and not 0 <= expert < cfg.num_experts:
             raise ConversionError(
-                f"tensor {name}: expert {expert} >= num_local_experts {cfg.num_experts}"
+                f"tensor {name}: expert {expert} >= num_experts {cfg.num_experts}"
             )
-        extra = _MINIMAX_EXTRA.get(path, ()) if expert is None else ()
+        if i < len(arch_rules):
+            extra = _ARCH_EXTRA.get(cfg.arch, {}).get(pat.pattern, ())
+        else:
+            extra = _EXTRA.get(path, ())
         return Target(path, layer, shape(cfg), fn, extra, expert)
-    return None
+    raise ConversionError(f"unexpected tensor {name} (not part of a supported {cfg.arch} model)")
 
 
-# MiniMax-M2 params -> the released tensor names (for error messages).
-_MINIMAX_NAMES = {
-    "layers.router": "block_sparse_moe.gate.weight",
-    "layers.router_score_bias": "block_sparse_moe.e_score_correction_bias",
-    "layers.expert_gate": "block_sparse_moe.experts.{e}.w1.weight",
-    "layers.expert_up": "block_sparse_moe.experts.{e}.w3.weight",
-    "layers.expert_down": "block_sparse_moe.experts.{e}.w2.weight",
-}
-
-
-def hf_name_for(path: str, layer: int | None, arch: str | None = None) -> str:
-    """The HF tensor name that fills param ``path`` (at ``layer``): for error messages."""
-    if arch == "minimax_m2" and path in _MINIMAX_NAMES:
-        return f"model.layers.{layer}.{_MINIMAX_NAMES[path]}"
+def hf_name_for(
+    path: str, layer: int | None, arch: str | None = None, expert: int | None = None
+) -> str:
+    """The HF tensor name that fills param ``path`` (at ``layer``, and ``expert`` for a
+    per-expert checkpoint of ``arch``): for error messages."""
+    if expert is not None:
+        rules = [r for r in _ARCH_RULES.get(arch, []) if r[0].count(r"(\d+)") == 2]
+    else:
+        rules = [r for r in _ARCH_RULES.get(arch, []) if r[0].count(r"(\d+)") < 2] + _RULES
     for base, extra in _EXTRA.items():
-        if any(path == p for p, _ in extra):
+        if any(path == p for p, _ in extra) and not any(p == path for _, p, _, _ in rules):
             path = base
-    for pat, p, _, _ in _RULES:
+    for pat, p, _, _ in rules:
         if p == path:
-            name = pat.replace(r"(\d+)", str(layer)) if layer is not None else pat
+            name = pat
+            for idx in (layer, expert):
+                if idx is not None:
+                    name = name.replace(r"(\d+)", str(idx), 1)
             return name.replace("\\.", ".")
     return path
 

@@ -10,12 +10,13 @@ import numpy as np
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 GOLDEN = FIXTURES / "golden"
-TINY = ("tiny_qwen3", "tiny_llama", "tiny_gpt_oss", "tiny_minimax_m2")
+TINY = ("tiny_qwen3", "tiny_llama", "tiny_gpt_oss", "tiny_minimax_m2", "tiny_qwen3_moe")
 
 # Tolerances, each justified by a measurement (see the tests that use them).
 # float32 logits vs transformers: measured max |diff| 1.8e-6 (tiny_qwen3), 4.5e-6 (tiny_llama),
 # 1.2e-6 (tiny_gpt_oss: MoE, sinks, sliding window, YaRN), 1.5e-6 (tiny_minimax_m2: sigmoid
-# router, q/k norm over all heads, partial rotary),
+# router, q/k norm over all heads, partial rotary), 1.8e-6 (tiny_qwen3_moe: softmax router, a
+# dense layer and MoE layers, q/k norms; the same from its fused-experts copy),
 # 8.2e-5 on SmolLM2-135M (30 layers, logits up to ~41: relative 2e-6, summation order only).
 F32_ATOL = 1e-4
 

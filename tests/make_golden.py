@@ -35,7 +35,15 @@ It writes, under ``tests/fixtures/`` (total under 6 MB; never edit these by hand
   block), so it cannot be tiny_gpt_oss; otherwise the same features. Golden logits come from
   transformers loading the folder with ``Mxfp4Config(dequantize=True)`` (float32, CPU), checked
   to equal the unquantised model with its experts replaced by the dequantised weights.
+* ``tiny_qwen3_moe/``: a random Qwen3-MoE checkpoint as transformers 5 ``save_pretrained``
+  writes it (one tensor per expert, ``mlp.experts.{e}.{gate,up,down}_proj.weight``, the
+  released layout), *sharded* with an index; 6 experts top-2 with ``norm_topk_prob``, expert
+  width ``moe_intermediate_size`` != ``intermediate_size``, layer 0 a dense MLP
+  (``mlp_only_layers=[0]``), q/k norms. ``tiny_qwen3_moe_fused/`` is the same model saved with
+  ``save_original_format=False`` (transformers' fused ``experts.gate_up_proj`` /
+  ``experts.down_proj``), one file; it has no golden file of its own (same logits).
 * ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``, ``golden/tiny_gpt_oss.npz``,
+  ``golden/tiny_qwen3_moe.npz``,
   ``golden/tiny_gpt_oss_mxfp4.npz``, ``golden/tiny_minimax_m2.npz``: a random
   prompt of 320 ids, transformers' float32 logits at every position, and the 16-token greedy
   continuation.
@@ -76,6 +84,8 @@ from transformers import (
     Mxfp4Config,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 ROOT = Path(__file__).resolve().parent / "fixtures"
@@ -184,7 +194,32 @@ TINY = {
         attn_implementation="eager",
         experts_implementation="eager",
     ),
+    "tiny_qwen3_moe": Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=40,
+        intermediate_size=56,  # the dense layer's width
+        moe_intermediate_size=18,  # each expert's (2 * 18 != hidden_size either)
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,  # != hidden / heads
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,  # as Qwen3-30B-A3B ships
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    ),
 }
+QWEN3_MOE_FUSED = "tiny_qwen3_moe_fused"
 # MXFP4 needs every expert input dimension to be a multiple of 32 (hidden and intermediate).
 MXFP4_NAME = "tiny_gpt_oss_mxfp4"
 MXFP4_SEED = 3456
@@ -206,12 +241,15 @@ TINY_CLASSES = {
     "tiny_llama": LlamaForCausalLM,
     "tiny_gpt_oss": GptOssForCausalLM,
     "tiny_minimax_m2": MiniMaxM2ForCausalLM,
+    "tiny_qwen3_moe": Qwen3MoeForCausalLM,
 }
-TINY_SEEDS = {"tiny_qwen3": 1234, "tiny_llama": 5678, "tiny_gpt_oss": 9012, "tiny_minimax_m2": 3141}
-# Sharded output for the Llama and MiniMax-M2 checkpoints, so the converter's index.json path
-# has fixtures (MiniMax-M2's per-expert tensors then spread over several files).
+TINY_SEEDS = {"tiny_qwen3": 1234, "tiny_llama": 5678, "tiny_gpt_oss": 9012, "tiny_minimax_m2": 3141,
+              "tiny_qwen3_moe": 3141}
+# Sharded output for the Llama, MiniMax-M2 and Qwen3-MoE checkpoints, so the converter's
+# index.json path has fixtures (the per-expert tensors then spread over several files).
 TINY_SHARD = {
-    "tiny_qwen3": None, "tiny_llama": "150KB", "tiny_gpt_oss": None, "tiny_minimax_m2": "100KB"
+    "tiny_qwen3": None, "tiny_llama": "150KB", "tiny_gpt_oss": None, "tiny_minimax_m2": "100KB",
+    "tiny_qwen3_moe": "150KB",
 }
 
 CHATS = [
@@ -301,6 +339,11 @@ def make_tiny(name: str) -> None:
     kwargs = {"max_shard_size": TINY_SHARD[name]} if TINY_SHARD[name] else {}
     model.save_pretrained(out_dir, **kwargs)
     (out_dir / "generation_config.json").unlink(missing_ok=True)
+    if name == "tiny_qwen3_moe":
+        fused = ROOT / QWEN3_MOE_FUSED
+        shutil.rmtree(fused, ignore_errors=True)
+        model.save_pretrained(fused, save_original_format=False)
+        (fused / "generation_config.json").unlink(missing_ok=True)
 
     rng = np.random.default_rng(TINY_SEEDS[name] + 2)
     prompt = rng.integers(3, cfg.vocab_size, size=PROMPT_LEN).tolist()

@@ -59,6 +59,21 @@ def test_minimax_m2_exact_in_any_order_multidevice(topology):
                     num_requests=6, history_seed=16, order_seed=16)
 
 
+@pytest.mark.parametrize("topology", [
+    {"tp": 2},
+    # ~1 min each at load ~3 on this machine; CI keeps tp2 only, as for gpt-oss
+    pytest.param({"disaggregate": (2, 2)}, marks=pytest.mark.slow),
+], ids=["tp2", "disaggregate-2-2"])
+def test_qwen3_moe_exact_in_any_order_multidevice(topology):
+    """tiny-qwen3-moe (dense and MoE layers, softmax router, q/k norms): the same protocol,
+    against the dense reference (6 requests: the fewest with the seeds below that still evict
+    and restore)."""
+    if jax.device_count() < 4:
+        pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
+    _check_protocol(load_model("tiny-qwen3-moe"), topology,
+                    num_requests=6, history_seed=16, order_seed=16)
+
+
 def _check_protocol(model, topology: dict, num_requests: int, history_seed: int,
                     order_seed: int) -> None:
     """Random histories through exact_in_any_order on ``topology``, against the dense

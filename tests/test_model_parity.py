@@ -31,12 +31,17 @@ from converters.loading import load_model
 #   those positions hold the max 0.34, all others stay within 0.026. Argmax agreement 98.8%.
 #   tiny_minimax_m2 max |diff| 0.27 (std 0.58), 90th percentile 0.023 (median 0.018), the tail
 #   again routing (sigmoid scores plus the correction bias, near-tied); argmax agreement 97.2%.
+#   tiny_qwen3_moe max |diff| 0.61 (std 0.65), 90th percentile 0.058: routing again (a
+#   softmax over all 6 experts, top-2 of near-equal probabilities flips under bf16 in more
+#   places than GPT-OSS's biased logits); argmax agreement 99.1%.
 # Bounds are ~2x / ~1.5x the measured maxima, and agreement a few points under the minimum.
 BF16_TINY_ATOL = {
-    "tiny_qwen3": 0.15, "tiny_llama": 0.15, "tiny_gpt_oss": 0.7, "tiny_minimax_m2": 0.5
+    "tiny_qwen3": 0.15, "tiny_llama": 0.15, "tiny_gpt_oss": 0.7, "tiny_minimax_m2": 0.5,
+    "tiny_qwen3_moe": 0.9
 }
 # 90th percentile of the per-position max |diff|: the bulk, with routing flips left out.
 BF16_TINY_P90 = 0.05
+BF16_TINY_P90_BY_NAME = {"tiny_qwen3_moe": 0.08}
 BF16_SMOLLM2_ATOL = 1.5
 BF16_MIN_ARGMAX_AGREEMENT = 0.93
 
@@ -93,7 +98,7 @@ def test_tiny_bfloat16_within_measured_tolerance(name):
     logits, _ = greedy_generate(m.params, m.cfg, g["prompt"].tolist(), 1)
     diff = np.abs(logits - g["logits"])
     assert diff.max() <= BF16_TINY_ATOL[name]
-    assert np.percentile(diff.max(-1), 90) <= BF16_TINY_P90
+    assert np.percentile(diff.max(-1), 90) <= BF16_TINY_P90_BY_NAME.get(name, BF16_TINY_P90)
     agree = (logits.argmax(-1) == g["logits"].argmax(-1)).mean()
     assert agree >= BF16_MIN_ARGMAX_AGREEMENT
 

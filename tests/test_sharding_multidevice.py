@@ -63,6 +63,19 @@ def test_tensor_parallel_logits_match_unsharded(name, tp):
         else:
             assert n_split == 0  # 4 q heads, 2 kv heads, F = 20: nothing divides 8
         assert len(sharded.layers.expert_up.addressable_shards) == 8
+    if m.cfg.arch == "qwen3_moe":
+        # Qwen3-MoE: the experts (width 18) split over tp=2 inside, not over 8; the dense
+        # layer's MLP (width 56) over both; no biases or sinks.
+        lp = sharded.layers
+        if tp == 2:
+            assert lp.expert_gate.sharding.spec[3] == "tensor"
+            assert lp.expert_down.sharding.spec[2] == "tensor"
+            assert n_split == 10  # wq wk wv wo, w_gate w_up w_down, expert gate/up/down
+        else:
+            assert lp.expert_gate.sharding.spec[3] is None and n_split == 3
+        assert lp.w_up.sharding.spec[2] == "tensor"
+        assert all(ax is None for ax in lp.router.sharding.spec)
+        assert len(lp.expert_up.addressable_shards) == 8
     elif m.cfg.is_moe:
         # GPT-OSS: experts are tensor-parallel inside (their width F = 28 splits over tp=2,
         # not 8); heads, head biases and sinks split like the weights.

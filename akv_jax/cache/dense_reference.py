@@ -34,6 +34,10 @@ MiniMax-M2 (DESIGN §2.1, transformers' ``modeling_minimax_m2``) adds:
 * the MoE MLP, token by token: sigmoid scores, top-k on scores plus
   ``e_score_correction_bias``, the chosen unbiased scores renormalised to sum 1, experts
   ``silu(gate) * up``, no biases.
+Qwen3-MoE adds (from transformers' Qwen3MoeSparseMoeBlock): per layer, the dense MLP or the
+experts as the config's ``mlp_only_layers`` / ``decoder_sparse_step`` say; the router, a
+softmax over *all* experts, top-k, divided by the top-k sum when ``norm_topk_prob``; experts
+``silu(gate) * up``, no biases.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import numpy as np
 
 from akv_jax.cache.ops import OpHistory
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.params import Params, params_to_arrays
+from akv_jax.model.params import Params, params_to_arrays, stack_row
 from akv_jax.model.rope import hf_inv_freq
 
 
@@ -126,6 +130,21 @@ def _moe(cfg: ModelConfig, lw: dict[str, np.ndarray], h: np.ndarray) -> np.ndarr
     return out
 
 
+def _moe_softmax(cfg: ModelConfig, lw: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        logits = h[t] @ lw["router"]
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        top = np.argsort(-p, kind="stable")[: cfg.num_experts_per_tok]
+        r = p[top] / p[top].sum() if cfg.norm_topk_prob else p[top]
+        for e, we in zip(top, r, strict=True):
+            gate = h[t] @ lw["expert_gate"][e]
+            act = gate / (1 + np.exp(-gate)) * (h[t] @ lw["expert_up"][e])
+            out[t] += we * (act @ lw["expert_down"][e])
+    return out
+
+
 class DenseModel:
     def __init__(self, params: Params, cfg: ModelConfig):
         if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types:
@@ -159,7 +178,13 @@ class DenseModel:
         k_raw, vs = [], []
         G = cfg.num_heads // cfg.num_kv_heads
         for layer in range(cfg.num_layers):
-            lw = {k[len("layers.") :]: v[layer] for k, v in w.items() if k.startswith("layers.")}
+            lw = {}
+            for key, v in w.items():  # this layer's row of every stack it is part of
+                if key.startswith("layers."):
+                    field = key[len("layers.") :].split(".")[0]
+                    row = stack_row(cfg, field, layer)
+                    if row is not None:
+                        lw[key[len("layers.") :]] = v[row]
             h = _rms(x, lw["attn_norm"], cfg.rms_norm_eps)
             q = np.einsum("td,dhk->thk", h, lw["wq"])
             k = np.einsum("td,dhk->thk", h, lw["wk"])
@@ -196,7 +221,9 @@ class DenseModel:
             if "bo" in lw:
                 x = x + lw["bo"]
             h = _rms(x, lw["mlp_norm"], cfg.rms_norm_eps)
-            if cfg.is_moe:
+            if cfg.is_moe_layer(layer) and cfg.arch == "qwen3_moe":
+                x = x + _moe_softmax(cfg, lw, h)
+            elif cfg.is_moe_layer(layer):
                 x = x + _moe(cfg, lw, h)
             else:
                 g = h @ lw["w_gate"]

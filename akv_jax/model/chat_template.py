@@ -45,6 +45,30 @@ MINIMAX_M2_TINY_TEMPLATE = (
     "{% if add_generation_prompt %}{{ ']~b]ai\n<think>\n' }}{% endif %}"
 )
 MINIMAX_M2_TINY_SPECIALS = ("]~!b[", "]~b]", "[e~[")
+# The chat format of ``tiny-qwen3-moe``: ChatML with Qwen3's reasoning rule, written here from
+# its behaviour (not a copy of the released template): an assistant turn's reasoning is
+# rendered, as ``<think>\n...\n</think>\n\n`` before its content, only when no user message
+# follows it, so appending a user message re-renders earlier assistant turns without their
+# reasoning (the segment splitting then finds each message's text in the full rendering); tool
+# results are user turns wrapped in ``<tool_response>``; ``enable_thinking=False`` opens the
+# generation with an empty think block.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if m.reasoning_content and loop.index0 > ns.last_user %}"
+    "{{- '<think>\n' + m.reasoning_content + '\n</think>\n\n' }}{%- endif %}"
+    "{{- m.content + '<|im_end|>\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}"
+    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+)
 
 
 class _GenerationTag(jinja2.ext.Extension):

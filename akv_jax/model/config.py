@@ -17,8 +17,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "GptOssForCausalLM": "gpt_oss",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-MODEL_TYPES = ("llama", "qwen3", "gpt_oss", "minimax_m2")
+MODEL_TYPES = ("llama", "qwen3", "gpt_oss", "minimax_m2", "qwen3_moe")
 # transformers' GptOssConfig defaults for fields the released config.json does not carry.
 GPT_OSS_SWIGLU_ALPHA = 1.702
 GPT_OSS_SWIGLU_LIMIT = 7.0
@@ -115,7 +116,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama", "qwen3", "gpt_oss" or "minimax_m2"
+    arch: str  # "llama", "qwen3", "gpt_oss", "minimax_m2" or "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -142,10 +143,41 @@ class ModelConfig:
     # Partial rotary (MiniMax-M2): only the first ``rotary_dim`` dims of each q/k head rotate
     # (transformers' ``int(head_dim * partial_rotary_factor)``); None: all of them.
     rotary_dim: int | None = None
+    # Qwen3-MoE: expert width (None: ``intermediate_size``, as GPT-OSS), renormalised top-k
+    # weights, and which layers keep the dense MLP (transformers' Qwen3MoeDecoderLayer rule).
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+        return self.arch in ("qwen3", "qwen3_moe")
+
+    @property
+    def expert_width(self) -> int:
+        """The FFN width of one expert (``moe_intermediate_size``, else ``intermediate_size``)."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def moe_bias(self) -> bool:
+        """Router and expert biases (GPT-OSS); Qwen3-MoE has none."""
+        return self.arch == "gpt_oss"
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` runs the experts (else the dense SwiGLU MLP of width
+        ``intermediate_size``). Qwen3-MoE: not in ``mlp_only_layers`` and ``(i + 1)`` a
+        multiple of ``decoder_sparse_step``, as transformers decides."""
+        if not self.is_moe:
+            return False
+        if self.arch == "qwen3_moe":
+            return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        return True
+
+    def mlp_layers(self, moe: bool) -> tuple[int, ...]:
+        """The layers whose MLP is MoE (``moe``) or dense, ascending: the rows of the params'
+        expert (or dense MLP) stacks."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i) == moe)
 
     @property
     def qk_norm_over_heads(self) -> bool:
@@ -234,6 +266,16 @@ class ModelConfig:
             )
             if self.rotary_dim is not None:
                 rope["partial_rotary_factor"] = self.rotary_dim / self.head_dim
+        elif self.arch == "qwen3_moe":
+            out.update(
+                num_experts=self.num_experts,  # the released config.json's spelling
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.expert_width,
+                norm_topk_prob=self.norm_topk_prob,
+                mlp_only_layers=list(self.mlp_only_layers),
+                decoder_sparse_step=self.decoder_sparse_step,
+                use_sliding_window=False,
+            )
         elif self.is_moe:
             out.update(
                 num_local_experts=self.num_experts,
@@ -308,7 +350,10 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        extra = _gpt_oss_fields(cfg) if arch == "gpt_oss" else {}
+        extra = (
+            _gpt_oss_fields(cfg) if arch == "gpt_oss"
+            else _qwen3_moe_fields(cfg) if arch == "qwen3_moe" else {}
+        )
         if arch == "minimax_m2":
             extra = _minimax_m2_fields(cfg, int(cfg.get("head_dim") or hidden // num_heads))
         return ModelConfig(
@@ -386,6 +431,32 @@ def _minimax_m2_fields(cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
     )
 
 
+def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3-MoE fields, with transformers' Qwen3MoeConfig defaults where absent. The
+    released config.json says ``num_experts``; transformers 5 saves ``num_local_experts``."""
+    if cfg.get("use_sliding_window"):
+        raise ConfigError("qwen3_moe with use_sliding_window is not supported")
+    n = int(cfg["num_hidden_layers"])
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+    top_k = int(cfg.get("num_experts_per_tok", 8))
+    if not 0 < top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok {top_k} must be in 1..num_experts {experts}")
+    step = int(cfg.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ConfigError(f"decoder_sparse_step must be >= 1, got {step}")
+    only = tuple(sorted({int(i) for i in (cfg.get("mlp_only_layers") or [])}))
+    if any(not 0 <= i < n for i in only):
+        raise ConfigError(f"mlp_only_layers {list(only)} must be layer indices below {n}")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        mlp_only_layers=only,
+        decoder_sparse_step=step,
+    )
+
+
 def tiny_config(arch: str = "qwen3", vocab_size: int = 512) -> ModelConfig:
     """The small random model behind ``--model-path tiny`` (every dimension distinct), or
     with ``arch="gpt_oss"`` the one behind ``tiny-gpt-oss`` (:func:`tiny_gpt_oss_config`),
@@ -394,6 +465,8 @@ def tiny_config(arch: str = "qwen3", vocab_size: int = 512) -> ModelConfig:
         return tiny_gpt_oss_config(vocab_size)
     if arch == "minimax_m2":
         return tiny_minimax_m2_config(vocab_size)
+    if arch == "qwen3_moe":
+        return tiny_qwen3_moe_config(vocab_size)
     return ModelConfig(
         arch=arch,
         vocab_size=vocab_size,
@@ -469,6 +542,31 @@ def tiny_minimax_m2_config(vocab_size: int = 512) -> ModelConfig:
         rotary_dim=8,
     )
 
+
+
+def tiny_qwen3_moe_config(vocab_size: int = 512) -> ModelConfig:
+    """``--model-path tiny-qwen3-moe``: 4 layers, dense MLP and experts alternating
+    (``decoder_sparse_step`` 2), 6 experts of width 24 top-2 renormalised, q/k norms."""
+    return ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=vocab_size,
+        hidden_size=48,
+        intermediate_size=80,
+        num_layers=4,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_ids=(vocab_size - 1,),
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+    )
 
 # The released models' shapes (their Hugging Face config.json, abridged), for shape-only work:
 # deviceless compiles, memory plans and benchmarks with random weights. Serving a real

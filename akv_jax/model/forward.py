@@ -19,6 +19,12 @@ calls its own static function.
 MiniMax-M2 adds a q/k RMSNorm over all heads at once (:func:`rms_norm_over_heads`), partial
 rotary (the RoPE table's width: only the rotary dims of q and k rotate, here and in repos)
 and the sigmoid-routed MoE (:mod:`akv_jax.model.moe`).
+Qwen3-MoE mixes dense-MLP and MoE layers (``mlp_only_layers``, ``decoder_sparse_step``): a
+layer's *kind* is its (attention type, MoE or dense) pair, the period is that of the kinds,
+and each layer of a group takes its MLP weights from the dense or the expert stack (stacked
+over the layers of their kind only, :func:`akv_jax.model.params.stack_layers`) at its static
+row within the group. Kinds with no period (e.g. only layer 0 dense) make one group of all
+layers, unrolled.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import jax.numpy as jnp
 
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.moe import moe_mlp
-from akv_jax.model.params import LayerParams, Params
+from akv_jax.model.params import LayerParams, Params, stack_layers
 from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import AttentionFn, SegmentBatch
 from akv_jax.pallas.rotary import RopeTable, apply_rope, rotate_half_split
@@ -67,15 +73,41 @@ def attention_for(attention: Attention, layer_type: str) -> AttentionFn:
     return attention[layer_type] if isinstance(attention, AttentionByType) else attention
 
 
+def layer_kind(cfg: ModelConfig, i: int) -> tuple[str, bool]:
+    """What makes layer ``i``'s body differ: (attention type, MoE MLP or not)."""
+    return cfg.layer_type(i), cfg.is_moe_layer(i)
+
+
 def layer_period(cfg: ModelConfig) -> int:
-    """The smallest p dividing the layer count with ``layer_types`` repeating every p."""
-    types, n = cfg.layer_types, cfg.num_layers
-    if types is None:
-        return 1
+    """The smallest p dividing the layer count with the layer kinds (``layer_types`` and the
+    MLP kind) repeating every p."""
+    kinds, n = [layer_kind(cfg, i) for i in range(cfg.num_layers)], cfg.num_layers
     for p in range(1, n + 1):
-        if n % p == 0 and all(types[i] == types[i % p] for i in range(n)):
+        if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
             return p
     return n
+
+
+def _grouped_layers(cfg: ModelConfig, layers: LayerParams, period: int) -> LayerParams:
+    """Every stack reshaped to [groups, rows per group, ...] (the rows of a field stacked over
+    one MLP kind are that kind's layers of the group, in order)."""
+    groups = cfg.num_layers // period
+    return jax.tree.map(lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:]), layers)
+
+
+def _group_layer(cfg: ModelConfig, lps: LayerParams, period: int, j: int) -> LayerParams:
+    """Layer ``j`` of a group (from :func:`_grouped_layers`): each field at the row of layer
+    ``j`` in its stack, None where layer ``j`` has no such weight."""
+    out = {}
+    for f in dataclasses.fields(LayerParams):
+        rows = [i for i in stack_layers(cfg, f.name) if i < period]  # group 0 is representative
+        v = getattr(lps, f.name)
+        if v is None or j not in rows:
+            out[f.name] = None
+        else:
+            r = rows.index(j)
+            out[f.name] = jax.tree.map(lambda a, r=r: a[r], v)
+    return LayerParams(**out)
 
 
 @jax.tree_util.register_dataclass
@@ -166,10 +198,11 @@ def attention_inputs(
 
 
 def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """The second half of a layer: output projection, residual, MLP (or MoE), residual."""
+    """The second half of a layer: output projection, residual, MLP (or MoE), residual. The
+    layer is MoE when ``lp`` holds a router."""
     x = x + _bias(jnp.einsum("thk,hkd->td", attn.astype(x.dtype), lp.wo), lp.bo)
     h = _norm(cfg, x, lp.mlp_norm)
-    if cfg.is_moe:
+    if lp.router is not None:
         return x + moe_mlp(cfg, lp, h)
     gate = jnp.einsum("td,df->tf", h, lp.w_gate)
     up = jnp.einsum("td,df->tf", h, lp.w_up)
@@ -246,16 +279,16 @@ def forward(
     else:
         # Scan over groups of ``period`` layers; each layer in a group has its own static
         # attention function (its window), and the group body is unrolled.
+        # A layer's MLP weights come from its kind's stack (dense or experts).
         def body(carry, group_in):
             lps, g = group_in
             for j in range(period):
-                lp = jax.tree.map(lambda a, j=j: a[j], lps)
+                lp = _group_layer(cfg, lps, period, j)
                 carry = run(lp, g * period + j, fns[j], carry)
             return carry, None
 
         groups = cfg.num_layers // period
-        grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), params.layers)
-        xs = (grouped, jnp.arange(groups))
+        xs = (_grouped_layers(cfg, params.layers, period), jnp.arange(groups))
 
     (x, k_all, v_all), _ = jax.lax.scan(body, (x, kv.k, kv.v), xs)
     if logits_rows is not None:

@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLPs: GPT-OSS's biased top-k router and clamped-SwiGLU experts, and
-MiniMax-M2's sigmoid router and SwiGLU experts.
+"""Mixture-of-experts MLPs: GPT-OSS (biased top-k router, clamped-SwiGLU experts), Qwen3-MoE
+(softmax router over all experts, plain SwiGLU experts, no biases) and MiniMax-M2 (sigmoid
+router with a choice-only bias, plain SwiGLU experts, no biases).
 
 Formulas follow transformers' ``GptOssTopKRouter`` / ``GptOssExperts``:
 
@@ -20,6 +21,10 @@ MiniMax-M2 (transformers' ``MiniMaxM2TopKRouter`` / ``MiniMaxM2Experts``, :func:
 * expert ``e``: ``silu(h @ Wg_e) * (h @ Wu_e) @ Wd_e``, no biases (HF fuses gate and up as the
   two halves of ``gate_up_proj``, the released checkpoint stores ``w1``/``w3``/``w2`` per
   expert; the converter splits or stacks them).
+Qwen3-MoE follows transformers' ``Qwen3MoeTopKRouter`` / ``Qwen3MoeExperts``: router logits
+``h @ gate`` (no bias), soft-maxed in float32 over *all* experts, the top-k probabilities kept
+and, when ``norm_topk_prob``, divided by their sum; expert ``e`` is
+``(silu(h @ Wg_e) * (h @ Wu_e)) @ Wd_e`` of width ``moe_intermediate_size``.
 
 The experts run as grouped matmuls (:func:`akv_jax.pallas.grouped_matmul.grouped_matmul`:
 ``jax.lax.ragged_dot`` on GPU and TPU, a tiled scan on the CPU, whose ragged_dot lowering is
@@ -58,6 +63,18 @@ def route_sigmoid(
     return idx.astype(jnp.int32), chosen / jnp.sum(chosen, axis=-1, keepdims=True)
 
 
+def route_softmax_topk(
+    cfg: ModelConfig, lp: LayerParams, h: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Qwen3-MoE's router: softmax over every expert in float32, top-k, optionally renormalised."""
+    logits = jnp.einsum("td,de->te", h, lp.router)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return idx.astype(jnp.int32), top
+
+
 def clamped_swiglu(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
     limit = cfg.swiglu_limit
     gate = jnp.minimum(gate, limit)  # clamped above only, as in transformers
@@ -65,25 +82,29 @@ def clamped_swiglu(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Arra
     return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
 
 
+def _expert_bias(y: jax.Array, b: jax.Array | None, expert_of: jax.Array) -> jax.Array:
+    return y if b is None else y + b[expert_of]
+
+
 def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> jax.Array:
     """The MoE block on normed hidden states ``h`` [T, D] -> [T, D] (no residual)."""
     T, K, E = h.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-    experts, weights = (route_sigmoid if cfg.sigmoid_router else route)(cfg, lp, h)
+    router = (route_sigmoid if cfg.sigmoid_router
+              else route_softmax_topk if cfg.arch == "qwen3_moe" else route)
+    experts, weights = router(cfg, lp, h)
     flat = experts.reshape(-1)  # [T*K], pair i is (token i // K, its (i % K)-th expert)
     order = jnp.argsort(flat, stable=True)
     expert_of = flat[order]
     token_of = order // K
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = h[token_of]  # [T*K, D], grouped by expert
-    gate = grouped_matmul(xs, lp.expert_gate, group_sizes)
-    up = grouped_matmul(xs, lp.expert_up, group_sizes)
-    if cfg.sigmoid_router:  # MiniMax-M2: plain SwiGLU, no expert biases
-        act = (jax.nn.silu(gate) * up).astype(h.dtype)
-        out = grouped_matmul(act, lp.expert_down, group_sizes)
-    else:
-        gate = gate + lp.expert_gate_bias[expert_of]
-        up = up + lp.expert_up_bias[expert_of]
-        act = clamped_swiglu(cfg, gate, up).astype(h.dtype)
-        out = grouped_matmul(act, lp.expert_down, group_sizes) + lp.expert_down_bias[expert_of]
+    gate = _expert_bias(grouped_matmul(xs, lp.expert_gate, group_sizes), lp.expert_gate_bias,
+                        expert_of)
+    up = _expert_bias(grouped_matmul(xs, lp.expert_up, group_sizes), lp.expert_up_bias, expert_of)
+    # GPT-OSS clamps its SwiGLU; Qwen3-MoE and MiniMax-M2 use the plain one.
+    act = (clamped_swiglu(cfg, gate, up) if cfg.arch == "gpt_oss"
+           else jax.nn.silu(gate) * up).astype(h.dtype)
+    out = _expert_bias(grouped_matmul(act, lp.expert_down, group_sizes), lp.expert_down_bias,
+                       expert_of)
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
     return jnp.zeros((T, h.shape[1]), out.dtype).at[token_of].add(out).astype(h.dtype)

@@ -5,6 +5,12 @@ Layers are stacked on a leading ``layer`` axis so the forward pass is a ``lax.sc
 :data:`SHARDING_RULES`; tensor parallelism splits attention heads and the FFN width (of the
 dense MLP and of every expert). Fields a model does not have (Qwen3's qk-norms for Llama,
 GPT-OSS's biases, sinks and experts for the others) are None.
+
+A model may mix dense-MLP and MoE layers (Qwen3-MoE's ``mlp_only_layers`` /
+``decoder_sparse_step``): the dense MLP weights are then stacked over the dense layers only and
+the router and expert weights over the MoE layers only (:func:`stack_layers`), so no layer
+carries weights it does not use. For a model whose layers are all of one kind both stacks are
+over every layer, as before.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ class LayerParams:
     router: Any = None  # [L, D, E]
     router_bias: Any = None  # [L, E]
     # The three expert weights are arrays, or Mxfp4Weight (packed, --moe-weight-format mxfp4).
+    # Their leading axis (and the router's, and the dense w_gate/w_up/w_down's) runs over the
+    # layers of their kind only (:func:`stack_layers`).
     expert_gate: Any = None  # [L, E, D, F]
     expert_up: Any = None  # [L, E, D, F]
     expert_gate_bias: Any = None  # [L, E, F]
@@ -93,7 +101,8 @@ class Params:
         if cfg.qk_norm_over_heads:  # one weight per (head, dim): the norm spans all heads
             q_norm = ArrayInfo((L, Hq, Dh), ("layer", "q_heads", "head_dim"), "ones")
             k_norm = ArrayInfo((L, Hkv, Dh), ("layer", "kv_heads", "head_dim"), "ones")
-        dense = not cfg.is_moe
+        Ld = len(cfg.mlp_layers(moe=False))
+        dense = Ld > 0
         layers = LayerParams(
             attn_norm=ArrayInfo((L, D), ("layer", "embed"), "ones"),
             wq=ArrayInfo((L, D, Hq, Dh), ("layer", "embed", "q_heads", "head_dim")),
@@ -103,9 +112,9 @@ class Params:
             q_norm=q_norm,
             k_norm=k_norm,
             mlp_norm=ArrayInfo((L, D), ("layer", "embed"), "ones"),
-            w_gate=ArrayInfo((L, D, F), ("layer", "embed", "ffw")) if dense else None,
-            w_up=ArrayInfo((L, D, F), ("layer", "embed", "ffw")) if dense else None,
-            w_down=ArrayInfo((L, F, D), ("layer", "ffw", "embed")) if dense else None,
+            w_gate=ArrayInfo((Ld, D, F), ("layer", "embed", "ffw")) if dense else None,
+            w_up=ArrayInfo((Ld, D, F), ("layer", "embed", "ffw")) if dense else None,
+            w_down=ArrayInfo((Ld, F, D), ("layer", "ffw", "embed")) if dense else None,
             **_attention_extras(cfg),
             **_moe_params(cfg),
         )
@@ -135,27 +144,50 @@ def _attention_extras(cfg: ModelConfig) -> dict[str, ArrayInfo]:
 
 
 def _moe_params(cfg: ModelConfig) -> dict[str, ArrayInfo]:
-    if not cfg.is_moe:
+    L = len(cfg.mlp_layers(moe=True))
+    if L == 0:
         return {}
-    L, D, F, E = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
-    if cfg.sigmoid_router:  # MiniMax-M2: no biases but the router's score correction
-        return dict(
-            router=ArrayInfo((L, D, E), ("layer", "embed", "expert")),
-            router_score_bias=ArrayInfo((L, E), ("layer", "expert")),
-            expert_gate=ArrayInfo((L, E, D, F), ("layer", "expert", "embed", "ffw")),
-            expert_up=ArrayInfo((L, E, D, F), ("layer", "expert", "embed", "ffw")),
-            expert_down=ArrayInfo((L, E, F, D), ("layer", "expert", "ffw", "embed")),
-        )
-    return dict(
+    D, F, E = cfg.hidden_size, cfg.expert_width, cfg.num_experts
+    out = dict(
         router=ArrayInfo((L, D, E), ("layer", "embed", "expert")),
-        router_bias=ArrayInfo((L, E), ("layer", "expert")),
         expert_gate=ArrayInfo((L, E, D, F), ("layer", "expert", "embed", "ffw")),
         expert_up=ArrayInfo((L, E, D, F), ("layer", "expert", "embed", "ffw")),
-        expert_gate_bias=ArrayInfo((L, E, F), ("layer", "expert", "ffw")),
-        expert_up_bias=ArrayInfo((L, E, F), ("layer", "expert", "ffw")),
         expert_down=ArrayInfo((L, E, F, D), ("layer", "expert", "ffw", "embed")),
-        expert_down_bias=ArrayInfo((L, E, D), ("layer", "expert", "embed")),
     )
+    if cfg.sigmoid_router:  # MiniMax-M2: no biases but the router's score correction
+        out.update(router_score_bias=ArrayInfo((L, E), ("layer", "expert")))
+    if cfg.moe_bias:
+        out.update(
+            router_bias=ArrayInfo((L, E), ("layer", "expert")),
+            expert_gate_bias=ArrayInfo((L, E, F), ("layer", "expert", "ffw")),
+            expert_up_bias=ArrayInfo((L, E, F), ("layer", "expert", "ffw")),
+            expert_down_bias=ArrayInfo((L, E, D), ("layer", "expert", "embed")),
+        )
+    return out
+
+
+DENSE_MLP_FIELDS = ("w_gate", "w_up", "w_down")
+MOE_FIELDS = (
+    "router", "router_bias", "router_score_bias", "expert_gate", "expert_up",
+    "expert_gate_bias", "expert_up_bias", "expert_down", "expert_down_bias",
+)
+
+
+def stack_layers(cfg: ModelConfig, field: str) -> tuple[int, ...]:
+    """The layers whose weights LayerParams ``field`` stacks, in row order: the dense layers
+    for the dense MLP fields, the MoE layers for the router and experts, every layer else."""
+    if field in DENSE_MLP_FIELDS:
+        return cfg.mlp_layers(moe=False)
+    if field in MOE_FIELDS:
+        return cfg.mlp_layers(moe=True)
+    return tuple(range(cfg.num_layers))
+
+
+def stack_row(cfg: ModelConfig, field: str, layer: int) -> int | None:
+    """The row of layer ``layer`` in LayerParams ``field`` (None: that layer has no such
+    weight, e.g. an expert in a dense-MLP layer)."""
+    rows = stack_layers(cfg, field)
+    return rows.index(layer) if layer in rows else None
 
 
 # Logical axis -> mesh axis. Heads and FFN width split over "tensor"; everything else is

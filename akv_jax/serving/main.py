@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Serve a model with AKV cache operations over HTTP.")
     p.add_argument("--model-path", default=None,
                    help="Hugging Face folder, .gguf file, converted checkpoint, 'tiny' or "
-                        "'tiny-gpt-oss' "
+                        "'tiny-gpt-oss' or 'tiny-qwen3-moe' "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None,
                    help="model name reported by /v1/models (default: from --model-path)")
