@@ -82,13 +82,15 @@ def packable(source: Source, targets: dict[str, Target]) -> frozenset[str]:
 
 
 def build_params(
-    source: Source, dtype: str = "float32", progress: bool = True, keep_packed: bool = False
+    source: Source, dtype: str = "float32", progress: bool = True, keep_packed: bool = False,
+    host: bool = False,
 ) -> Params:
     """Read, map and stack every tensor of ``source`` into a Params tree of ``dtype``.
 
     ``keep_packed``: the expert weights a released MXFP4 checkpoint stores packed stay packed
     (:class:`Mxfp4Weight`, the uint8 blocks and scales stacked over layers); no dense
     expert array is ever allocated for them. Everything else is dense as usual.
+    ``host``: the numpy arrays, not device arrays (for the caller to place, e.g. sharded).
     """
     if dtype not in NP_DTYPES:
         raise ConversionError(f"unsupported dtype {dtype!r} (float32 or bfloat16)")
@@ -124,7 +126,7 @@ def build_params(
                 else:
                     _put(arrays[path], cfg, path, tgt, transform(np.asarray(w), cfg))
             bar.update(1)
-    return params_from_arrays(cfg, arrays, dtype=np_dtype)
+    return params_from_arrays(cfg, arrays, dtype=np_dtype, host=host)
 
 
 def _put(dst: np.ndarray, cfg: ModelConfig, path: str, tgt: Target, value: np.ndarray) -> None:

@@ -35,8 +35,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from akv_jax.model import checkpoint
 from akv_jax.model.chat_template import QWEN3_STYLE_TEMPLATE
@@ -47,7 +49,13 @@ from akv_jax.model.config import (
     tiny_minimax_m2_config,
     tiny_qwen3_moe_config,
 )
-from akv_jax.model.params import PACKABLE_FIELDS, Params, cast_params, seeded_params
+from akv_jax.model.params import (
+    PACKABLE_FIELDS,
+    Params,
+    params_on_device,
+    seeded_params,
+    shard_params,
+)
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 from converters import mxfp4
@@ -138,14 +146,14 @@ def _tokenizer_in(path: Path, cfg: ModelConfig) -> ChatTokenizer | None:
 MOE_WEIGHT_FORMATS = ("dense", "mxfp4")
 
 
-def pack_experts(cfg: ModelConfig, params: Params) -> Params:
+def pack_experts(cfg: ModelConfig, params: Params, host: bool = False) -> Params:
     """``params`` with the MoE expert weights as :class:`Mxfp4Weight` (kept packed on the
     device, dequantised per tile inside the grouped matmul).
 
     Weights already packed (a released MXFP4 checkpoint loaded with ``keep_packed``) are kept
     as they are. Dense ones are quantised with :func:`converters.mxfp4.quantize`: lossless for
     the dequantised values of a released checkpoint (MXFP4 values, which it reproduces
-    exactly), lossy for a dense checkpoint.
+    exactly), lossy for a dense checkpoint. ``host``: the blocks and scales stay numpy.
     """
     if not cfg.is_moe or params.layers.expert_gate is None:
         raise ModelLoadError("--moe-weight-format mxfp4 needs a mixture-of-experts model")
@@ -164,15 +172,18 @@ def pack_experts(cfg: ModelConfig, params: Params) -> Params:
 
     def pack(w: Any) -> Mxfp4Weight:
         blocks, scales = mxfp4.quantize(np.asarray(w, np.float32))
+        if host:
+            return Mxfp4Weight(blocks, scales)
         return Mxfp4Weight(jnp.asarray(blocks), jnp.asarray(scales))
 
     layers = dataclasses.replace(lp, **{f: pack(getattr(lp, f)) for f in dense})
     return dataclasses.replace(params, layers=layers)
 
 
-def unpack_experts(params: Params, dtype: Any) -> Params:
+def unpack_experts(params: Params, dtype: Any, host: bool = False) -> Params:
     """``params`` with every packed expert weight dequantised to ``dtype`` (dense serving of
-    a checkpoint converted with its MXFP4 experts kept packed)."""
+    a checkpoint converted with its MXFP4 experts kept packed); ``host``: as numpy float32
+    arrays (``dtype`` applied when they are placed)."""
     lp = params.layers
     packed = [f for f in PACKABLE_FIELDS if isinstance(getattr(lp, f), Mxfp4Weight)]
     if not packed:
@@ -180,10 +191,14 @@ def unpack_experts(params: Params, dtype: Any) -> Params:
 
     def unpack(w: Mxfp4Weight) -> Any:
         dense = mxfp4.dequantize(np.asarray(w.blocks), np.asarray(w.scales))
-        return jnp.asarray(dense, dtype=dtype)
+        return dense if host else jnp.asarray(dense, dtype=dtype)
 
     layers = dataclasses.replace(lp, **{f: unpack(getattr(lp, f)) for f in packed})
     return dataclasses.replace(params, layers=layers)
+
+
+# load_model's placements besides a Mesh: JAX's default device, or numpy on the host.
+HOST = "host"
 
 
 def load_model(
@@ -191,6 +206,7 @@ def load_model(
     dtype: Any = "float32",
     progress: bool = False,
     moe_weight_format: str = "dense",
+    placement: Any = None,
 ) -> LoadedModel:
     """Load config, params (as ``dtype`` device arrays) and tokenizer; see the module doc.
 
@@ -198,29 +214,64 @@ def load_model(
     folder (or a checkpoint converted from one with its experts kept packed) loads its
     blocks and scales straight into the params, without ever building dense expert weights;
     any other MoE model is quantised (:func:`pack_experts`). ``"dense"`` dequantises.
+
+    ``placement``: None puts every param on JAX's default device; a ``jax.sharding.Mesh``
+    places each param directly with its final tensor-parallel sharding
+    (:func:`akv_jax.model.params.leaf_shardings`, as ``shard_params`` would): every device
+    receives only its shard, sliced and cast to ``dtype`` on the host (a converted folder is
+    restored by orbax straight into the shardings), so no device ever holds a whole sharded
+    param; ``"host"`` (:data:`HOST`) leaves them numpy arrays (cast to ``dtype``), for a
+    caller that places them itself (``shard_params(params, cfg, mesh)``, e.g. one
+    placement per ``--disaggregate`` group).
     """
     if moe_weight_format not in MOE_WEIGHT_FORMATS:
         raise ModelLoadError(
             f"unknown MoE weight format {moe_weight_format!r} (one of {MOE_WEIGHT_FORMATS})"
         )
+    on_host = isinstance(placement, str) and placement == HOST
+    if placement is not None and not on_host and not isinstance(placement, Mesh):
+        raise ModelLoadError(f"placement must be None, {HOST!r} or a Mesh, got {placement!r}")
     packed = moe_weight_format == "mxfp4"
-    m = _load(path_or_name, dtype, progress, keep_packed=packed)
-    params = pack_experts(m.cfg, m.params) if packed else unpack_experts(m.params, dtype)
+    m = _load(path_or_name, dtype, progress, keep_packed=packed,
+              mesh=placement if isinstance(placement, Mesh) else None)
+    params = m.params
+    if _on_device(params):  # restored by orbax into the mesh (nothing left to transform)
+        return m
+    if packed:
+        params = pack_experts(m.cfg, params, host=True)
+    else:
+        params = unpack_experts(params, dtype, host=True)
+    dt = jnp.dtype(dtype)
+    if on_host:
+        params = jax.tree.map(
+            lambda x: x if x.dtype == np.uint8 else np.asarray(x, dtype=dt), params
+        )
+    elif placement is None:
+        params = params_on_device(params, dt)
+    else:
+        params = shard_params(params, m.cfg, placement, dt)
     return dataclasses.replace(m, params=params)
 
 
+def _on_device(params: Params) -> bool:
+    return all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
+
+
 def _load(
-    path_or_name: str | Path | None, dtype: Any, progress: bool, keep_packed: bool
+    path_or_name: str | Path | None, dtype: Any, progress: bool, keep_packed: bool,
+    mesh: Any = None,
 ) -> LoadedModel:
+    """The model with host (numpy) params, except a converted folder loaded for a Mesh
+    whose experts need no (un)packing: restored by orbax straight into the shardings."""
     dt = jnp.dtype(dtype)
     name = None if path_or_name is None else str(path_or_name)
     if name in (None, "", "default"):
         path = default_model_dir(progress)
-        cfg, params = checkpoint.load_checkpoint(path, dt)
+        cfg, params = _load_checkpoint(path, dt, keep_packed, mesh)
         return LoadedModel(cfg, params, _tokenizer_in(path, cfg), f"default:{DEFAULT_MODEL}")
     if name in TINY_MODELS:
         cfg = TINY_MODELS[name]()
-        params = seeded_params(cfg, TINY_SEED, dt)
+        params = seeded_params(cfg, TINY_SEED, host=True)
         return LoadedModel(cfg, params, TINY_TOKENIZERS[name](cfg.vocab_size), name)
 
     path = Path(name).expanduser()
@@ -228,7 +279,7 @@ def _load(
         if path.is_file() and path.suffix == ".gguf":
             return _load_source_in_memory("gguf", path, dt, progress, keep_packed)
         if path.is_dir() and checkpoint.is_checkpoint(path):
-            cfg, params = checkpoint.load_checkpoint(path, dt)
+            cfg, params = _load_checkpoint(path, dt, keep_packed, mesh)
             return LoadedModel(cfg, params, _tokenizer_in(path, cfg), str(path))
         if path.is_dir() and (path / "config.json").exists():
             return _load_source_in_memory("hf", path, dt, progress, keep_packed)
@@ -241,12 +292,20 @@ def _load(
     )
 
 
+def _load_checkpoint(path: Path, dt: Any, keep_packed: bool, mesh: Any) -> tuple:
+    # Straight into the mesh's shardings unless the expert weights must be (un)packed on the
+    # host first (a dense checkpoint served packed, or a packed one served dense).
+    if isinstance(mesh, Mesh):
+        cfg, _ = checkpoint.read_config(path)
+        if not cfg.is_moe or checkpoint.stores_packed(path) == keep_packed:
+            return checkpoint.load_checkpoint(path, dt, mesh=mesh)
+    return checkpoint.load_checkpoint(path, dt, host=True)
+
+
 def _load_source_in_memory(
     kind: str, path: Path, dt: Any, progress: bool, keep_packed: bool
 ) -> LoadedModel:
     source = open_gguf(path) if kind == "gguf" else open_hf_dir(path)
     store = "bfloat16" if dt == jnp.bfloat16 else "float32"
-    params = build_params(source, store, progress, keep_packed)
-    if params.embed.dtype != dt:
-        params = cast_params(params, dt)
+    params = build_params(source, store, progress, keep_packed, host=True)
     return LoadedModel(source.config, params, source.tokenizer(), str(path))

@@ -69,18 +69,69 @@ def save_checkpoint(
         ckptr.wait_until_finished()
 
 
-def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
-    """Read a converted folder; ``dtype`` None keeps the stored dtype."""
+def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """A converted folder's config (and its raw config.json)."""
+    hf = json.loads((Path(path) / "config.json").read_text())
+    return config_from_hf(hf), hf
+
+
+def stores_packed(path: str | Path) -> bool:
+    """Whether a converted folder holds packed MXFP4 expert weights (``*.blocks``)."""
     import orbax.checkpoint as ocp
 
-    path = Path(path).absolute()
-    hf = json.loads((path / "config.json").read_text())
-    cfg = config_from_hf(hf)
     with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(path / PARAMS_DIR)
-        tree = meta.item_metadata if hasattr(meta, "item_metadata") else meta
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), dict(tree))
-        restored = ckptr.restore(path / PARAMS_DIR, target)
-    flat = {k: np.asarray(v) for k, v in _flatten(restored).items()}
+        return any(k.endswith(".blocks") for k in _stored(ckptr, Path(path).absolute()))
+
+
+def _stored(ckptr: Any, path: Path) -> dict[str, Any]:
+    meta = ckptr.metadata(path / PARAMS_DIR)
+    tree = meta.item_metadata if hasattr(meta, "item_metadata") else meta
+    return _flatten(dict(tree))
+
+
+def load_checkpoint(
+    path: str | Path, dtype: Any = None, host: bool = False, mesh: Any = None
+) -> tuple[ModelConfig, Params]:
+    """Read a converted folder; ``dtype`` None keeps the stored dtype.
+
+    Where the params go: by default onto JAX's default device; ``host=True``: numpy arrays
+    as stored (``dtype`` not applied; the caller places them); ``mesh``: restored by orbax
+    straight into their final shardings (:func:`akv_jax.model.params.leaf_shardings`), each
+    device reading only its own shard, cast to ``dtype`` per shard as it is read.
+    """
+    import orbax.checkpoint as ocp
+
+    from akv_jax.model.params import leaf_shardings, params_on_device
+
+    path = Path(path).absolute()
+    cfg, hf = read_config(path)
     stored = jnp.dtype(hf.get("akv_jax", {}).get("dtype", "float32"))
-    return cfg, params_from_arrays(cfg, flat, dtype=jnp.dtype(dtype) if dtype else stored)
+    dt = jnp.dtype(dtype) if dtype else stored
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = _stored(ckptr, path)
+    if mesh is not None:
+        # zero-stride stand-ins (no memory) give the tree its packed/dense structure
+        fake = {k: np.broadcast_to(np.zeros((), m.dtype), tuple(m.shape)) for k, m in meta.items()}
+        shardings = params_to_arrays_tree(leaf_shardings(
+            params_from_arrays(cfg, fake, host=True), cfg, mesh))
+        target = {
+            k: jax.ShapeDtypeStruct(
+                tuple(m.shape), m.dtype if m.dtype == np.uint8 else dt, sharding=shardings[k]
+            )
+            for k, m in meta.items()
+        }
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = _flatten(ckptr.restore(path / PARAMS_DIR, _nest(target)))
+        return cfg, params_from_arrays(cfg, restored, host=True)
+    args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in meta}
+    with ocp.PyTreeCheckpointer() as ckptr:
+        restored = _flatten(ckptr.restore(path / PARAMS_DIR, restore_args=_nest(args)))
+    params = params_from_arrays(cfg, restored, host=True)
+    return cfg, params if host else params_on_device(params, dt)
+
+
+def params_to_arrays_tree(tree: Any) -> dict[str, Any]:
+    """Flat ``path -> leaf`` of any Params-shaped tree (``params_to_arrays`` without the
+    numpy conversion)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {".".join(p.name for p in path): x for path, x in flat}

@@ -250,12 +250,13 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
-def seeded_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Params:
+def seeded_params(cfg: ModelConfig, seed: int, dtype=jnp.float32, host: bool = False) -> Params:
     """Random params like :func:`init_params`, drawn with numpy from an integer seed.
 
     Same distributions, but no per-shape XLA compiles (eager ``jax.random`` compiles one
     program per distinct shape, ~10 s for the tiny model on 2 cores): this is what the
-    ``tiny`` model that servers and tests start from uses.
+    ``tiny`` model that servers and tests start from uses. ``host``: float32 numpy arrays
+    (``dtype`` not applied), to be placed later (:func:`shard_params`, :func:`params_on_device`).
     """
     rng = np.random.default_rng(seed)
     abstract = Params.abstract(cfg)
@@ -264,19 +265,21 @@ def seeded_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Params:
     for info in leaves:
         z = rng.standard_normal(info.shape, dtype=np.float32)
         arr = 1.0 + 0.1 * z if info.init == "ones" else 0.02 * z
-        out.append(jnp.asarray(arr, dtype=dtype))
+        out.append(arr if host else jnp.asarray(arr, dtype=dtype))
     return jax.tree.unflatten(treedef, out)
 
 
 def params_from_arrays(
-    cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32
+    cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32, host: bool = False
 ) -> Params:
     """Assemble a Params tree from flat ``path -> array`` entries, checking every shape.
 
     Paths are the dataclass field names joined with '.', e.g. ``layers.wq``. A packed expert
     weight (:data:`PACKABLE_FIELDS`) comes as ``<path>.blocks`` and ``<path>.scales`` uint8
     entries (as :func:`params_to_arrays` names them) and becomes an :class:`Mxfp4Weight`;
-    ``dtype`` applies to the float arrays only.
+    ``dtype`` applies to the float arrays only. ``host``: the numpy arrays themselves (no
+    copy, ``dtype`` not applied), to be placed later (:func:`shard_params`,
+    :func:`params_on_device`).
     """
     abstract = Params.abstract(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_info)
@@ -284,19 +287,24 @@ def params_from_arrays(
     for path, info in flat:
         name = ".".join(p.name for p in path)
         if f"{name}.blocks" in arrays or f"{name}.scales" in arrays:
-            out.append(_packed_from_arrays(name, info, arrays))
+            out.append(_packed_from_arrays(name, info, arrays, host))
             continue
         if name not in arrays:
             raise ValueError(f"missing parameter {name}")
-        arr = np.asarray(arrays[name])
+        arr = _host_or_device(arrays[name])
         if tuple(arr.shape) != info.shape:
             raise ValueError(f"shape mismatch for {name}: got {arr.shape}, expected {info.shape}")
-        out.append(jnp.asarray(arr, dtype=dtype))
+        out.append(arr if host else jnp.asarray(arr, dtype=dtype))
     return jax.tree.unflatten(treedef, out)
 
 
+def _host_or_device(x: Any) -> Any:
+    # device arrays (placed by the caller) stay where they are; anything else is numpy
+    return x if isinstance(x, jax.Array) else np.asarray(x)
+
+
 def _packed_from_arrays(
-    name: str, info: ArrayInfo, arrays: dict[str, np.ndarray]
+    name: str, info: ArrayInfo, arrays: dict[str, np.ndarray], host: bool = False
 ) -> Mxfp4Weight:
     if name.removeprefix("layers.") not in PACKABLE_FIELDS:
         raise ValueError(f"parameter {name} cannot be stored packed (only the expert weights)")
@@ -306,12 +314,12 @@ def _packed_from_arrays(
         key = f"{name}.{part}"
         if key not in arrays:
             raise ValueError(f"missing parameter {key}")
-        arr = np.asarray(arrays[key])
+        arr = _host_or_device(arrays[key])
         if arr.dtype != np.uint8:
             raise ValueError(f"packed parameter {key} must be uint8, got {arr.dtype}")
         if tuple(arr.shape) != shape:
             raise ValueError(f"shape mismatch for {key}: got {arr.shape}, expected {shape}")
-        parts.append(jnp.asarray(arr))
+        parts.append(arr if host else jnp.asarray(arr))
     return Mxfp4Weight(*parts)
 
 
@@ -326,22 +334,77 @@ def cast_params(params: Params, dtype) -> Params:
     return jax.tree.map(lambda x: x if x.dtype == jnp.uint8 else x.astype(dtype), params)
 
 
-def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
-    """``params`` placed by :func:`param_shardings`; a packed MXFP4 expert weight is split
-    like its dense form (its ``out`` and ``in/32`` axes carry the dense ``out`` and ``in``
-    axes' names; the 16-byte block axis is never split)."""
+def leaf_shardings(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
+    """A NamedSharding for every leaf of ``params`` (a concrete tree: arrays, host numpy
+    arrays, ShapeDtypeStructs or :class:`Mxfp4Weight` of those) under ``mesh``: dense arrays
+    by :func:`param_shardings`; a packed MXFP4 expert weight split like its dense form (its
+    ``out`` and ``in/32`` axes carry the dense ``out`` and ``in`` axes' names; the 16-byte
+    block axis is never split)."""
 
     def one(info: ArrayInfo, x: Any) -> Any:
         if isinstance(x, Mxfp4Weight):
             *lead, ax_in, ax_out = info.axes
             b_axes = (*lead, ax_out, ax_in, "mxfp4_block")
-            return jax.device_put(x, Mxfp4Weight(
+            return Mxfp4Weight(
                 NamedSharding(mesh, logical_to_spec(b_axes, x.blocks.shape, mesh)),
                 NamedSharding(mesh, logical_to_spec(b_axes[:-1], x.scales.shape, mesh)),
-            ))
-        return jax.device_put(x, NamedSharding(mesh, logical_to_spec(info.axes, info.shape, mesh)))
+            )
+        return NamedSharding(mesh, logical_to_spec(info.axes, info.shape, mesh))
 
     return jax.tree.map(one, Params.abstract(cfg), params, is_leaf=_is_info)
+
+
+def place_array(x: Any, sharding: jax.sharding.Sharding, dtype=None) -> jax.Array:
+    """``x`` with ``sharding``. A host (numpy) array goes straight to its final placement:
+    each device receives only its own shard, sliced (and cast to ``dtype``) on the host by
+    ``jax.make_array_from_callback``; the whole array never lands on one device (unless the
+    sharding replicates it). A device array is resharded with ``jax.device_put`` (a no-op
+    when it already has ``sharding``)."""
+    if isinstance(x, jax.Array):
+        if dtype is not None and x.dtype != dtype:
+            x = x.astype(dtype)
+        return x if x.sharding == sharding else jax.device_put(x, sharding)
+    host = np.asarray(x)
+    dt = host.dtype if dtype is None else np.dtype(dtype)
+    shards: dict[tuple, np.ndarray] = {}  # one host slice per distinct index (replicas share)
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in shards:
+            shards[key] = np.ascontiguousarray(host[index], dtype=dt)
+        return shards[key]
+
+    return jax.make_array_from_callback(host.shape, sharding, shard)
+
+
+def _float_dtype(x: Any, dtype) -> Any:
+    return None if dtype is None or x.dtype == np.uint8 else dtype
+
+
+def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh, dtype=None) -> Params:
+    """``params`` placed by :func:`leaf_shardings` (see :func:`place_array`: host arrays go
+    to each device shard by shard; device arrays are resharded). ``dtype``: the float
+    arrays' serving dtype, cast on the host per shard (packed uint8 experts stay uint8)."""
+    shardings = leaf_shardings(params, cfg, mesh)
+    return jax.tree.map(
+        lambda x, s: place_array(x, s, _float_dtype(x, dtype)), params, shardings
+    )
+
+
+def params_on_device(params: Params, dtype=None, device=None) -> Params:
+    """Host params as arrays on ``device`` (default: JAX's default device), float arrays cast
+    to ``dtype`` on the host."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            dt = _float_dtype(x, dtype)
+            x = x if dt is None or x.dtype == dt else x.astype(dt)
+            return x if device is None else jax.device_put(x, device)
+        dt = _float_dtype(np.asarray(x), dtype)
+        host = np.asarray(x) if dt is None else np.asarray(x, dtype=dt)
+        return jax.device_put(host, device)
+
+    return jax.tree.map(one, params)
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:

@@ -19,7 +19,7 @@ import numpy as np
 
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import KVWrites, make_model_attention
-from akv_jax.model.params import Params
+from akv_jax.model.params import Params, make_mesh
 from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, transfer_pages
@@ -67,6 +67,21 @@ def check_devices(tp: int, disaggregate: tuple[int, int] | None, available: int)
                              f"{available} available")
     elif tp > available:
         raise ValueError(f"--tp {tp}: only {available} devices available")
+
+
+def load_placement(tp: int, disaggregate: tuple[int, int] | None, devices: list | None = None):
+    """Where ``converters.loading.load_model(placement=...)`` should put the params for the
+    groups :class:`Executor` builds from these flags: None (one device); for ``--tp`` the
+    group's own mesh, so that every param is loaded straight into its final sharding (the
+    group's ``shard_params`` then moves nothing); ``"host"`` when disaggregated: numpy
+    arrays, from which each group places its own copy shard by shard. No device ever holds
+    a whole tensor-parallel param on the way."""
+    if disaggregate is not None:
+        return "host"
+    if tp > 1:
+        devices = list(devices if devices is not None else jax.devices())
+        return make_mesh(tp, devices[:tp])
+    return None
 
 
 class Executor:

@@ -232,10 +232,16 @@ def build_engine(args: argparse.Namespace):
 
     what = args.model_path or "the default model"
     enable_compile_cache(args.compile_cache_dir)
+    placement = None
+    if args.tp > 1 or args.disaggregate is not None:
+        # each param goes straight to its final sharding (never whole onto one device)
+        from akv_jax.serving.executor import load_placement
+
+        placement = load_placement(args.tp, args.disaggregate)
     try:
         model = load_model(
             args.model_path, args.dtype, progress=sys.stderr.isatty(),
-            moe_weight_format=args.moe_weight_format,
+            moe_weight_format=args.moe_weight_format, placement=placement,
         )
     except Exception as e:  # any loader failure is a user-facing "cannot load" line
         log.debug("model load failed", exc_info=True)
@@ -254,6 +260,10 @@ def build_engine(args: argparse.Namespace):
             tp=args.tp,
             disaggregate=args.disaggregate,
         )
+        if isinstance(placement, str):  # "host": the groups hold their copies; free this one
+            import dataclasses
+
+            model = dataclasses.replace(model, params=engine.executor.decode.params)
         if not args.skip_warmup:
             # every process of a multi-host run warms up alike, in step
             warmup(engine, args.warmup_shapes)
