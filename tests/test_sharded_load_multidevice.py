@@ -190,15 +190,15 @@ def test_served_tokens_at_tp2_and_disaggregated_equal_tp1():
     from akv_jax.serving.engine import Engine
 
     kw = dict(max_total_tokens=512, page_size=8, attention_backend="reference")
-    one = load_model("tiny-gpt-oss")
-    reqs = random_requests(np.random.default_rng(14), 3, vocab=one.cfg.vocab_size)
+    one = load_model("tiny")
+    reqs = random_requests(np.random.default_rng(14), 2, vocab=one.cfg.vocab_size)
     want = run(Engine(one, **kw), reqs, concurrent=True)
 
     placement = load_placement(2, None)
-    tp2 = load_model("tiny-gpt-oss", placement=placement)
+    tp2 = load_model("tiny", placement=placement)
     eng = Engine(tp2, tp=2, **kw)
     assert eng.executor.prefill.params.layers.wq is tp2.params.layers.wq  # placed once
-    host = load_model("tiny-gpt-oss", placement=load_placement(1, (2, 2)))
+    host = load_model("tiny", placement=load_placement(1, (2, 2)))
     dis = Engine(host, disaggregate=(2, 2), **kw)
     for group, ids in ((dis.executor.prefill, {0, 1}), (dis.executor.decode, {2, 3})):
         assert {d.id for d in group.params.layers.wq.devices()} == ids
