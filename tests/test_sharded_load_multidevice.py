@@ -208,3 +208,23 @@ def test_served_tokens_at_tp2_and_disaggregated_equal_tp1():
         assert [g[0] for g in got] == [w[0] for w in want]
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a[1], b[1], atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["gguf", "default"])
+def test_sharded_load_gguf_and_default(which, default_model_cache, monkeypatch):
+    """The embedded default (SmolLM2-135M) at tp 2, from its GGUF file (converted in memory)
+    and from the converted folder (orbax restores into the shardings): as load-then-shard."""
+    from converters.loading import default_gguf_path
+
+    src = default_gguf_path() if which == "gguf" else None
+    mesh = make_mesh(2, jax.devices()[:2])
+    old = load_model(src, "bfloat16")
+    want = shard_params(old.params, old.cfg, mesh)
+    shapes = _sharded_shapes(want, old.cfg, mesh)
+    del old
+    watch = _Watch(monkeypatch, shapes)
+    got = load_model(src, "bfloat16", placement=mesh)
+    monkeypatch.undo()
+    assert shapes and watch.whole == []
+    _assert_same(got.params, want)
