@@ -124,7 +124,7 @@ def _pair_fp8(
     """Drop every ``X_scale_inv`` from ``shapes`` after checking it against its FP8 weight
     ``X``; returns ``X -> X_scale_inv`` for every FP8 weight."""
     pairs: dict[str, str] = {}
-    for name in [n for n in shapes if dtypes[n].startswith("F8")]:
+    for name in [n for n in shapes if dtypes.get(n, "").startswith("F8")]:
         if fp8_cfg is None:
             raise ConversionError(
                 f"tensor {name} is {dtypes[name]} but {cfg_file} has no quantization_config "
@@ -158,6 +158,9 @@ def _pair_fp8(
             what = "is not float8" if base in shapes else "is missing"
             raise ConversionError(f"fp8 scale {name} has no fp8 weight: {base} {what}")
         del shapes[name]
+    if fp8_cfg is not None and not pairs:
+        raise ConversionError(f"{cfg_file}: quantization_config.quant_method is 'fp8' but no "
+                              f"tensor is float8 ({fp8.SAFETENSORS_DTYPE})")
     return pairs
 
 

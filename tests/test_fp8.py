@@ -231,6 +231,8 @@ def _broken(tmp_path: Path, case: str) -> Path:
         q["modules_to_not_convert"] = ["gate", EXPERT.removesuffix(".weight")]
     elif case == "fmt":
         q["fmt"] = "e5m2"
+    elif case == "ue8m0_scales":
+        q["scale_fmt"] = "ue8m0"
     elif case == "block_size":
         q["weight_block_size"] = [16]
     elif case == "static_activations":
@@ -251,6 +253,7 @@ MALFORMED = {
     "not_converted_module": f"fp8 tensor {EXPERT} is FP8 but its module is in "
                             "quantization_config.modules_to_not_convert",
     "fmt": r"quantization_config.fmt 'e5m2' is not supported",
+    "ue8m0_scales": r"quantization_config.scale_fmt 'ue8m0' is not supported",
     "block_size": r"quantization_config.weight_block_size must be two positive integers",
     "static_activations": r"quantization_config.activation_scheme 'static' is not supported",
     "no_quantization_config": r"tensor model\.\S+ is F8_E4M3 but \S+config.json has no "
