@@ -35,6 +35,18 @@ It writes, under ``tests/fixtures/`` (total under 6 MB; never edit these by hand
   block), so it cannot be tiny_gpt_oss; otherwise the same features. Golden logits come from
   transformers loading the folder with ``Mxfp4Config(dequantize=True)`` (float32, CPU), checked
   to equal the unquantised model with its experts replaced by the dequantised weights.
+* ``tiny_minimax_m2_fp8/``: tiny_minimax_m2 (same weights) in the layout MiniMax-M2 (and the
+  Qwen3 FP8 releases) ship: every Linear weight float8_e4m3fn with a float32
+  ``weight_scale_inv`` per 16x16 block (ceil: hidden 36 and the expert width 20 end in partial
+  blocks), quantised here in torch (each block's peak over 448); ``gate`` and ``lm_head`` kept
+  dense by ``modules_to_not_convert``; config.json's ``quantization_config`` in the released
+  form with ``weight_block_size`` [16, 16]; sharded small so FP8 tensors spread over several
+  files. Golden logits (64-token prompt) come from transformers' MiniMaxM2ForCausalLM on the
+  weights dequantised by transformers' own block-size-aware ``_dequantize_fp8_weight``
+  (``integrations/finegrained_fp8.py``), loaded from a temporary dense copy of the folder.
+  Not ``FineGrainedFP8Config(dequantize=True)``: its ``Fp8Dequantize`` derives the block from
+  the scale grid (``rows // scale_rows``), which equals ``weight_block_size`` only when every
+  dimension is a multiple of it (true of the releases, not of this fixture's partial blocks).
 * ``tiny_qwen3_moe/``: a random Qwen3-MoE checkpoint as transformers 5 ``save_pretrained``
   writes it (one tensor per expert, ``mlp.experts.{e}.{gate,up,down}_proj.weight``, the
   released layout), *sharded* with an index; 6 experts top-2 with ``norm_topk_prob``, expert
@@ -44,7 +56,8 @@ It writes, under ``tests/fixtures/`` (total under 6 MB; never edit these by hand
   ``experts.down_proj``), one file; it has no golden file of its own (same logits).
 * ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``, ``golden/tiny_gpt_oss.npz``,
   ``golden/tiny_qwen3_moe.npz``,
-  ``golden/tiny_gpt_oss_mxfp4.npz``, ``golden/tiny_minimax_m2.npz``: a random
+  ``golden/tiny_gpt_oss_mxfp4.npz``, ``golden/tiny_minimax_m2.npz``,
+  ``golden/tiny_minimax_m2_fp8.npz`` (64 ids): a random
   prompt of 320 ids, transformers' float32 logits at every position, and the 16-token greedy
   continuation.
 * ``golden/gpt_oss_rope.json``: GPT-OSS config.json variants (the released legacy form with
