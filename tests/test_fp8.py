@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -160,6 +161,14 @@ def test_source_reads_dequantised_tensors_and_consumes_the_scales():
 def test_in_memory_load_matches_transformers(fp8_model):
     # Measured 1.0e-6 (transformers' float32 logits on its own dequantisation of the folder).
     assert _parity(fp8_model) <= F32_ATOL
+
+
+def test_bfloat16_load_is_the_float32_load_rounded(fp8_model):
+    m = load_model(SRC, "bfloat16")
+    for got, want in zip(jax.tree_util.tree_leaves(m.params),
+                         jax.tree_util.tree_leaves(fp8_model.params), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(jnp.bfloat16))
 
 
 def test_converter_cli_round_trip(fp8_model, tmp_path, capsys):
