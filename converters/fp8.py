@@ -78,6 +78,12 @@ def parse_config(q: dict[str, Any], where: str) -> Fp8Config:
     if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
         raise ValueError(f"{where}: quantization_config.modules_to_not_convert must be a "
                          f"list of module names, got {skip!r}")
+    for pattern in skip:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{where}: quantization_config.modules_to_not_convert entry "
+                             f"{pattern!r} is not a valid pattern ({e})") from None
     return Fp8Config((block[0], block[1]), tuple(skip))
 
 

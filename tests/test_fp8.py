@@ -242,6 +242,8 @@ def _broken(tmp_path: Path, case: str) -> Path:
         q["fmt"] = "e5m2"
     elif case == "ue8m0_scales":
         q["scale_fmt"] = "ue8m0"
+    elif case == "bad_pattern":
+        q["modules_to_not_convert"] = ["model.layers.(0"]
     elif case == "block_size":
         q["weight_block_size"] = [16]
     elif case == "static_activations":
@@ -263,6 +265,7 @@ MALFORMED = {
                             "quantization_config.modules_to_not_convert",
     "fmt": r"quantization_config.fmt 'e5m2' is not supported",
     "ue8m0_scales": r"quantization_config.scale_fmt 'ue8m0' is not supported",
+    "bad_pattern": r"modules_to_not_convert entry 'model.layers.\(0' is not a valid pattern",
     "block_size": r"quantization_config.weight_block_size must be two positive integers",
     "static_activations": r"quantization_config.activation_scheme 'static' is not supported",
     "no_quantization_config": r"tensor model\.\S+ is F8_E4M3 but \S+config.json has no "
@@ -279,3 +282,21 @@ def test_malformed_folders_fail_in_one_line(tmp_path, case, capsys):
     assert convert_main(["--hf-dir", str(d), "--out", str(tmp_path / "o"), "--quiet"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
+
+
+def test_modules_to_not_convert_match_as_transformers_does():
+    # transformers' should_convert_module: from the start up to a module boundary, as a regex
+    # with that boundary, or as a suffix (its examples, on tensor names' modules).
+    cfg = fp8.parse_config({"quant_method": "fp8", "weight_block_size": [128, 128],
+                            "modules_to_not_convert": ["model.layers.1", "lm_head", "mlp.gate",
+                                                       "model.layers.*.self_attn.o_proj"]},
+                           "config.json")
+    skipped = ["model.layers.1.mlp.up_proj.weight", "lm_head.weight",
+               "model.layers.3.mlp.gate.weight", "model.layers.12.self_attn.o_proj.weight"]
+    kept = ["model.layers.11.mlp.up_proj.weight", "model.layers.3.mlp.gate_proj.weight",
+            "model.layers.12.self_attn.q_proj.weight"]
+    assert [cfg.converts(n) for n in skipped] == [False] * 4
+    assert [cfg.converts(n) for n in kept] == [True] * 3
+    legacy = fp8.parse_config({"weight_block_size": [128, 128], "ignored_layers": ["lm_head"]},
+                              "config.json")
+    assert legacy.not_convert == ("lm_head",) and legacy.block == (128, 128)
