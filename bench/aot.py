@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ci", action="store_true", help="the CI set only")
     ap.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     ap.add_argument("--only", choices=("kernels", "steps"), help="one half of the matrix")
+    ap.add_argument("--steps", metavar="TEXT",
+                    help="compile only the steps whose name contains TEXT "
+                         "(e.g. 'GPT-OSS-120B TP4 decode')")
     ap.add_argument("--json", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     missing = build.check_env()
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in build.step_cases(full=not args.ci):
             if args.ci and name != PAPER_TARGET:
                 continue  # CI compiles the serving step once: the paper's setup
+            if args.steps and args.steps not in case.name:
+                continue
             fit, why = build.fits(name, case)
             if not fit:  # reported, not compiled: XLA would stop at CompileTimeHbmOom
                 skipped.append(f"{name}: {case.name}: {why}")

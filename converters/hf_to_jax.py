@@ -10,7 +10,10 @@ expert ``*_blocks`` / ``*_scales``, ``quantization_config.quant_method == "mxfp4
 dequantised and stored dense in ``--dtype``; with ``--moe-weight-format mxfp4`` their expert
 weights are stored packed as released (uint8 ``<param>.blocks`` / ``<param>.scales``, gate_up
 de-interleaved; ~4.25 bits a weight, and never dense on the host), which the server loads
-packed with ``--moe-weight-format mxfp4`` or dequantises otherwise. A source with dense
+packed with ``--moe-weight-format mxfp4`` or dequantises otherwise. Block-scaled FP8 releases
+(MiniMax-M2, Qwen3 FP8: float8_e4m3fn ``weight`` + float32 ``weight_scale_inv``,
+``quantization_config.quant_method == "fp8"``) are dequantised tensor by tensor and stored
+dense in ``--dtype``. A source with dense
 experts is refused with that flag: conversion never changes a value. Every tensor name and
 shape is checked against the config before any weight is read. Any failure prints one
 ``error: ...`` line on stderr and exits with status 1.

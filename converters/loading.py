@@ -17,8 +17,9 @@
 * a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
   with MXFP4 experts, included (dequantised to ``dtype``, or kept packed with
   ``moe_weight_format="mxfp4"``); MiniMax-M2 with its per-expert
-  ``block_sparse_moe.experts.{e}.w1/w2/w3`` tensors (bfloat16 or float32; not the FP8
-  release, whose ``quantization_config`` is refused in one line); Qwen3-MoE with its
+  ``block_sparse_moe.experts.{e}.w1/w2/w3`` tensors (bfloat16 or float32, or the FP8
+  release: block-scaled float8_e4m3fn weights, dequantised to ``dtype`` on the host, tensor
+  by tensor, :mod:`converters.fp8`; the Qwen3 FP8 releases likewise); Qwen3-MoE with its
   per-expert tensors (stacked by the converter);
 * a ``.gguf`` file, converted in memory.
 

@@ -434,7 +434,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         expert = int(m.group(2)) if len(m.groups()) > 1 else None
         if expert is not None and not 0 <= expert < cfg.num_experts:
             raise ConversionError(
-                f"tensor {name}: expert {expert} >= num_experts {cfg.num_experts}"
+                f"tensor {name}: expert {expert} >= {_experts_field(cfg)} {cfg.num_experts}"
             )
         if i < len(arch_rules):
             extra = _ARCH_EXTRA.get(cfg.arch, {}).get(pat.pattern, ())
@@ -442,6 +442,11 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
             extra = _EXTRA.get(path, ())
         return Target(path, layer, shape(cfg), fn, extra, expert)
     raise ConversionError(f"unexpected tensor {name} (not part of a supported {cfg.arch} model)")
+
+
+def _experts_field(cfg: ModelConfig) -> str:
+    # The expert count's name in the architecture's own config.json, for error messages.
+    return "num_experts" if cfg.arch == "qwen3_moe" else "num_local_experts"
 
 
 def hf_name_for(

@@ -13,12 +13,21 @@ float32, and a bfloat16 too unless its scale is extreme), which the converter th
 as it maps a dense checkpoint's tensor and stores in the serving dtype. Or, for the names a
 caller passes in ``read(keep_packed=...)`` (``--moe-weight-format mxfp4``), read as they are:
 an :class:`Mxfp4Weight` of the uint8 blocks and scales, never decoded on the host.
+
+MiniMax-M2 and the Qwen3 FP8 releases keep their Linear weights block-scaled FP8
+(``quantization_config.quant_method == "fp8"``, :mod:`converters.fp8`): each float8_e4m3fn
+``<module>.weight`` with its float32 ``<module>.weight_scale_inv`` is seen as the one dense
+tensor ``<module>.weight`` (pairs, dtypes, scale shapes and ``modules_to_not_convert`` checked
+from the headers before any weight is read) and read dequantised to float32, one tensor at a
+time (the scale consumed, never listed). safetensors' numpy loader has no float8 dtype, so the
+FP8 bytes are read at their header offsets and viewed as ml_dtypes' float8_e4m3fn.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +37,7 @@ import numpy as np
 from akv_jax.model.config import ConfigError, ModelConfig, config_from_hf
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
-from converters import mxfp4
+from converters import fp8, mxfp4
 from converters.mapping import ConversionError, gguf_to_hf_name, unpermute_llama_qk
 
 # Files copied next to a converted checkpoint when the source folder has them.
@@ -87,17 +96,92 @@ def _safetensors_files(d: Path) -> list[Path]:
 MXFP4_SUFFIXES = ("_blocks", "_scales")
 
 
-def _quant_method(raw: dict[str, Any], cfg_file: Path) -> str | None:
+def _quant_method(raw: dict[str, Any], cfg_file: Path) -> tuple[str | None, Any]:
+    """(quant_method, its parsed config: an :class:`fp8.Fp8Config` for "fp8")."""
     q = raw.get("quantization_config")
     if q is None:
-        return None
+        return None, None
     method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "fp8":
+        try:
+            return method, fp8.parse_config(q, str(cfg_file))
+        except ValueError as e:
+            raise ConversionError(str(e)) from None
     if method != "mxfp4":
         raise ConversionError(
             f"{cfg_file}: quantization_config.quant_method {method!r} is not supported "
-            f"(only 'mxfp4', GPT-OSS's released expert layout)"
+            f"(only 'mxfp4', GPT-OSS's released expert layout, and 'fp8', block-scaled FP8)"
         )
-    return method
+    return method, None
+
+
+def _pair_fp8(
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, str],
+    fp8_cfg: fp8.Fp8Config | None,
+    cfg_file: Path,
+) -> dict[str, str]:
+    """Drop every ``X_scale_inv`` from ``shapes`` after checking it against its FP8 weight
+    ``X``; returns ``X -> X_scale_inv`` for every FP8 weight."""
+    pairs: dict[str, str] = {}
+    for name in [n for n in shapes if dtypes.get(n, "").startswith("F8")]:
+        if fp8_cfg is None:
+            raise ConversionError(
+                f"tensor {name} is {dtypes[name]} but {cfg_file} has no quantization_config "
+                f"with quant_method 'fp8'"
+            )
+        if dtypes[name] != fp8.SAFETENSORS_DTYPE:
+            raise ConversionError(f"fp8 tensor {name} is {dtypes[name]}; only "
+                                  f"{fp8.SAFETENSORS_DTYPE} (e4m3) is supported")
+        scale = name + fp8.SCALE_SUFFIX
+        if scale not in shapes:
+            raise ConversionError(f"fp8 tensor {name} has no matching {scale}")
+        if not fp8_cfg.converts(name):
+            raise ConversionError(f"fp8 tensor {name} is FP8 but its module is in "
+                                  f"quantization_config.modules_to_not_convert")
+        if dtypes[scale] != "F32":
+            raise ConversionError(f"fp8 scale {scale} must be F32, not {dtypes[scale]}")
+        want = fp8.scale_shape(shapes[name], fp8_cfg.block) if len(shapes[name]) >= 2 else None
+        if shapes[scale] != want:
+            raise ConversionError(
+                f"fp8 scale {scale} has shape {list(shapes[scale])}, expected "
+                f"{list(want) if want else '[..., out, in]'} for {name} {list(shapes[name])} "
+                f"in {fp8_cfg.block[0]}x{fp8_cfg.block[1]} blocks"
+            )
+        pairs[name] = scale
+    for name in [n for n in shapes if n.endswith(fp8.SCALE_SUFFIX)]:
+        base = name.removesuffix(fp8.SCALE_SUFFIX)
+        if fp8_cfg is None:
+            raise ConversionError(f"tensor {name} looks like an fp8 scale but {cfg_file} has "
+                                  f"no quantization_config with quant_method 'fp8'")
+        if base not in pairs:
+            what = "is not float8" if base in shapes else "is missing"
+            raise ConversionError(f"fp8 scale {name} has no fp8 weight: {base} {what}")
+        del shapes[name]
+    if fp8_cfg is not None and not pairs:
+        raise ConversionError(f"{cfg_file}: quantization_config.quant_method is 'fp8' but no "
+                              f"tensor is float8 ({fp8.SAFETENSORS_DTYPE})")
+    return pairs
+
+
+def _raw_offsets(f: Path) -> dict[str, tuple[int, int, str, list[int]]]:
+    """name -> (start, end, dtype, shape) of every tensor of a safetensors file, absolute
+    byte offsets (the format: u64 header length, JSON header, data)."""
+    with open(f, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    return {
+        k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1], v["dtype"], v["shape"])
+        for k, v in header.items() if k != "__metadata__"
+    }
+
+
+def _read_fp8(f: Path, offsets: tuple[int, int, str, list[int]]) -> np.ndarray:
+    start, end, _, shape = offsets
+    with open(f, "rb") as fh:
+        fh.seek(start)
+        buf = fh.read(end - start)
+    return np.frombuffer(buf, fp8.FP8_DTYPE).reshape(shape)
 
 
 def _pair_mxfp4(
@@ -156,7 +240,7 @@ def open_hf_dir(path: str | Path) -> Source:
         cfg = config_from_hf(raw)
     except ValueError as e:
         raise ConversionError(f"{cfg_file}: {e}") from None
-    quant = _quant_method(raw, cfg_file)
+    quant, fp8_cfg = _quant_method(raw, cfg_file)
     files = _safetensors_files(d)
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
@@ -172,6 +256,9 @@ def open_hf_dir(path: str | Path) -> Source:
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ConversionError(f"cannot read {f.name}: {e}") from None
     packed = _pair_mxfp4(shapes, dtypes, quant, cfg_file)
+    fp8_scales = _pair_fp8(shapes, dtypes, fp8_cfg, cfg_file)
+    fp8_files = {where[n] for n in fp8_scales}
+    raw_offsets = {f: _raw_offsets(f) for f in files if f in fp8_files}
     scales_of = {blocks: (base, scales) for base, (blocks, scales) in packed.items()}
     part_of_pair = {n for pair in packed.values() for n in pair}
 
@@ -190,6 +277,17 @@ def open_hf_dir(path: str | Path) -> Source:
                             continue
                         w = mxfp4.dequantize(h.get_tensor(k), tensor(scales))
                         yield base, w.reshape(shapes[base])
+                    elif k in fp8_scales:
+                        q = _read_fp8(f, raw_offsets[f][k])
+                        try:
+                            w = fp8.dequantize(q, tensor(fp8_scales[k]), fp8_cfg.block, k)
+                        except ValueError as e:
+                            raise ConversionError(str(e)) from None
+                        yield k, w
+                    elif k.endswith(fp8.SCALE_SUFFIX) and k.removesuffix(
+                        fp8.SCALE_SUFFIX
+                    ) in fp8_scales:
+                        continue  # consumed with its weight
                     elif k not in part_of_pair:
                         yield k, h.get_tensor(k)
 

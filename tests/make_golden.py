@@ -35,6 +35,18 @@ It writes, under ``tests/fixtures/`` (total under 6 MB; never edit these by hand
   block), so it cannot be tiny_gpt_oss; otherwise the same features. Golden logits come from
   transformers loading the folder with ``Mxfp4Config(dequantize=True)`` (float32, CPU), checked
   to equal the unquantised model with its experts replaced by the dequantised weights.
+* ``tiny_minimax_m2_fp8/``: tiny_minimax_m2 (same weights) in the layout MiniMax-M2 (and the
+  Qwen3 FP8 releases) ship: every Linear weight float8_e4m3fn with a float32
+  ``weight_scale_inv`` per 16x16 block (ceil: hidden 36 and the expert width 20 end in partial
+  blocks), quantised here in torch (each block's peak over 448); ``gate`` and ``lm_head`` kept
+  dense by ``modules_to_not_convert``; config.json's ``quantization_config`` in the released
+  form with ``weight_block_size`` [16, 16]; sharded small so FP8 tensors spread over several
+  files. Golden logits (64-token prompt) come from transformers' MiniMaxM2ForCausalLM on the
+  weights dequantised by transformers' own block-size-aware ``_dequantize_fp8_weight``
+  (``integrations/finegrained_fp8.py``), loaded from a temporary dense copy of the folder.
+  Not ``FineGrainedFP8Config(dequantize=True)``: its ``Fp8Dequantize`` derives the block from
+  the scale grid (``rows // scale_rows``), which equals ``weight_block_size`` only when every
+  dimension is a multiple of it (true of the releases, not of this fixture's partial blocks).
 * ``tiny_qwen3_moe/``: a random Qwen3-MoE checkpoint as transformers 5 ``save_pretrained``
   writes it (one tensor per expert, ``mlp.experts.{e}.{gate,up,down}_proj.weight``, the
   released layout), *sharded* with an index; 6 experts top-2 with ``norm_topk_prob``, expert
@@ -44,7 +56,8 @@ It writes, under ``tests/fixtures/`` (total under 6 MB; never edit these by hand
   ``experts.down_proj``), one file; it has no golden file of its own (same logits).
 * ``golden/tiny_qwen3.npz``, ``golden/tiny_llama.npz``, ``golden/tiny_gpt_oss.npz``,
   ``golden/tiny_qwen3_moe.npz``,
-  ``golden/tiny_gpt_oss_mxfp4.npz``, ``golden/tiny_minimax_m2.npz``: a random
+  ``golden/tiny_gpt_oss_mxfp4.npz``, ``golden/tiny_minimax_m2.npz``,
+  ``golden/tiny_minimax_m2_fp8.npz`` (64 ids): a random
   prompt of 320 ids, transformers' float32 logits at every position, and the 16-token greedy
   continuation.
 * ``golden/gpt_oss_rope.json``: GPT-OSS config.json variants (the released legacy form with
@@ -236,6 +249,17 @@ MXFP4_QUANT = {
     ],
     "quant_method": "mxfp4",
 }
+# Block-scaled FP8 (MiniMax-M2's and the Qwen3 FP8 releases' format) over tiny_minimax_m2's
+# weights: 16x16 blocks, so hidden 36 and the expert width 20 end in partial blocks.
+FP8_NAME = "tiny_minimax_m2_fp8"
+FP8_PROMPT_LEN = 64  # the model is tiny_minimax_m2's; this checks the loading, kept small
+FP8_QUANT = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"],
+    "quant_method": "fp8",
+    "weight_block_size": [16, 16],
+}
 TINY_CLASSES = {
     "tiny_qwen3": Qwen3ForCausalLM,
     "tiny_llama": LlamaForCausalLM,
@@ -324,16 +348,23 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 @torch.no_grad()
-def make_tiny(name: str) -> None:
-    cfg = TINY[name]
+def _tiny_model(name: str) -> torch.nn.Module:
+    """The tiny random model ``name`` (fixed seeds), float32, eval mode."""
     torch.manual_seed(TINY_SEEDS[name])
-    model = TINY_CLASSES[name](cfg).to(torch.float32).eval()
+    model = TINY_CLASSES[name](TINY[name]).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(TINY_SEEDS[name] + 1)
     _perturb_norms(model, gen)
     if name == "tiny_gpt_oss":
         _randomize_gpt_oss(model, gen)
     if name == "tiny_minimax_m2":
         _randomize_minimax_m2(model, gen)
+    return model
+
+
+@torch.no_grad()
+def make_tiny(name: str) -> None:
+    cfg = TINY[name]
+    model = _tiny_model(name)
     out_dir = ROOT / name
     shutil.rmtree(out_dir, ignore_errors=True)
     kwargs = {"max_shard_size": TINY_SHARD[name]} if TINY_SHARD[name] else {}
@@ -422,6 +453,84 @@ def make_tiny_mxfp4() -> None:
     dense = model(torch.tensor([prompt])).logits[0].float().numpy()
     assert np.abs(logits - dense).max() == 0.0
     _save_golden(MXFP4_NAME, prompt, logits, _greedy(loaded, prompt, NEW_TOKENS))
+
+
+def _fp8_quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` float32 -> (float8_e4m3fn weight, float32 ``weight_scale_inv``
+    ``[ceil(out/bo), ceil(in/bi)]``): each block's scale its peak over 448, as transformers'
+    ``Fp8Quantize`` picks it, here with partial last blocks (zero-padded)."""
+    (rows, cols), (bo, bi) = w.shape, block
+    nr, nc = -(-rows // bo), -(-cols // bi)
+    pad = torch.zeros(nr * bo, nc * bi, dtype=torch.float32)
+    pad[:rows, :cols] = w
+    tiles = pad.reshape(nr, bo, nc, bi)
+    peak = tiles.abs().amax(dim=(1, 3))
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    scale_inv = torch.where(peak > 0, peak / fmax, torch.ones_like(peak)).to(torch.float32)
+    scaled = (tiles / scale_inv[:, None, :, None]).clamp(-fmax, fmax)
+    q = scaled.reshape(nr * bo, nc * bi)[:rows, :cols].contiguous().to(torch.float8_e4m3fn)
+    return q, scale_inv
+
+
+@torch.no_grad()
+def make_tiny_fp8() -> None:
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    model = _tiny_model("tiny_minimax_m2")
+    out_dir = ROOT / FP8_NAME
+    dense_dir = ROOT / f"{FP8_NAME}.dense-tmp"
+    for d in (out_dir, dense_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    model.save_pretrained(out_dir, max_shard_size="60KB")  # the released per-expert layout
+    (out_dir / "generation_config.json").unlink(missing_ok=True)
+    block = FP8_QUANT["weight_block_size"]
+    skip = FP8_QUANT["modules_to_not_convert"]
+    index_file = out_dir / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    dense: dict[str, torch.Tensor] = {}
+    n_fp8 = 0
+    for shard in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(shard)
+        dense.update(tensors)
+        for name in list(tensors):
+            module = name.removesuffix(".weight")
+            if (not name.endswith(".weight") or tensors[name].ndim != 2
+                    or "embed_tokens" in name or not should_convert_module(module, skip)):
+                continue
+            q, scale_inv = _fp8_quantize(tensors[name], block)
+            tensors[name] = q
+            tensors[f"{name}_scale_inv"] = scale_inv
+            index["weight_map"][f"{name}_scale_inv"] = shard.name
+            # What the FP8 checkpoint describes, by transformers' block-size-aware dequantiser.
+            dense[name] = _dequantize_fp8_weight(q, scale_inv, block, torch.float32)
+            n_fp8 += 1
+        save_file(tensors, shard, metadata={"format": "pt"})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    cfg_json = json.loads((out_dir / "config.json").read_text())
+    cfg_json["quantization_config"] = FP8_QUANT
+    (out_dir / "config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
+    print(f"{FP8_NAME}: {n_fp8} fp8 weights")
+
+    # The golden model: MiniMaxM2ForCausalLM with those dequantised weights (the skipped
+    # modules as they were), loaded by transformers from a dense copy of the folder.
+    dense_dir.mkdir()
+    shutil.copy(out_dir / "config.json", dense_dir / "config.json")
+    raw = json.loads((dense_dir / "config.json").read_text())
+    del raw["quantization_config"]
+    (dense_dir / "config.json").write_text(json.dumps(raw))
+    save_file(dense, dense_dir / "model.safetensors", metadata={"format": "pt"})
+    loaded = MiniMaxM2ForCausalLM.from_pretrained(
+        dense_dir, dtype=torch.float32, attn_implementation="eager",
+        experts_implementation="eager",
+    ).eval()
+    shutil.rmtree(dense_dir)
+    rng = np.random.default_rng(TINY_SEEDS["tiny_minimax_m2"] + 7)
+    prompt = rng.integers(3, loaded.config.vocab_size, size=FP8_PROMPT_LEN).tolist()
+    logits = loaded(torch.tensor([prompt])).logits[0].float().numpy()
+    _save_golden(FP8_NAME, prompt, logits, _greedy(loaded, prompt, NEW_TOKENS))
 
 
 def _gpt_oss_rope_cases() -> list[dict]:
@@ -539,7 +648,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="write the golden fixtures (all by default)")
     ap.add_argument(
         "--only",
-        choices=[*TINY, MXFP4_NAME, "gpt_oss_rope", "smollm2"],
+        choices=[*TINY, MXFP4_NAME, FP8_NAME, "gpt_oss_rope", "smollm2"],
         help="write just this fixture",
     )
     only = ap.parse_args().only
@@ -550,6 +659,8 @@ def main() -> None:
             make_tiny(name)
     if only in (None, MXFP4_NAME):
         make_tiny_mxfp4()
+    if only in (None, FP8_NAME):
+        make_tiny_fp8()
     if only in (None, "gpt_oss_rope"):
         make_gpt_oss_rope()
     if only in (None, "smollm2"):

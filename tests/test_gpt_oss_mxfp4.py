@@ -144,7 +144,7 @@ def _broken(tmp_path, case: str):
     elif case == "config_lacks_quantization":
         del raw["quantization_config"]
     elif case == "other_quant_method":
-        raw["quantization_config"] = {"quant_method": "fp8"}
+        raw["quantization_config"] = {"quant_method": "awq"}
     elif case == "wrong_dense_shape":  # blocks and scales agree, the config does not
         t[f"{name}_blocks"] = t[f"{name}_blocks"][:, :-1]
         t[f"{name}_scales"] = t[f"{name}_scales"][:, :-1]
@@ -160,7 +160,7 @@ BROKEN = {
     "wrong_dtype": "model.layers.2.mlp.experts.down_proj_blocks must be uint8",
     "dense_and_packed": "model.layers.2.mlp.experts.down_proj is stored both dense and as mxfp4",
     "config_lacks_quantization": "has no quantization_config",
-    "other_quant_method": "quant_method 'fp8' is not supported",
+    "other_quant_method": "quant_method 'awq' is not supported",
     "wrong_dense_shape": "shape mismatch for model.layers.2.mlp.experts.down_proj",
 }
 

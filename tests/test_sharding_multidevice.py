@@ -63,7 +63,7 @@ def test_tensor_parallel_logits_match_unsharded(name, tp):
         else:
             assert n_split == 0  # 4 q heads, 2 kv heads, F = 20: nothing divides 8
         assert len(sharded.layers.expert_up.addressable_shards) == 8
-    if m.cfg.arch == "qwen3_moe":
+    elif m.cfg.arch == "qwen3_moe":
         # Qwen3-MoE: the experts (width 18) split over tp=2 inside, not over 8; the dense
         # layer's MLP (width 56) over both; no biases or sinks.
         lp = sharded.layers

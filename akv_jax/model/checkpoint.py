@@ -114,14 +114,21 @@ def load_checkpoint(
         fake = {k: np.broadcast_to(np.zeros((), m.dtype), tuple(m.shape)) for k, m in meta.items()}
         shardings = params_to_arrays_tree(leaf_shardings(
             params_from_arrays(cfg, fake, host=True), cfg, mesh))
+        # orbax restores into the shardings; a TPU row-major layout (a Format) is then set
+        # per shard by device_put (the same sharding: nothing moves between devices)
+        plain = {k: getattr(s, "sharding", s) for k, s in shardings.items()}
         target = {
             k: jax.ShapeDtypeStruct(
-                tuple(m.shape), m.dtype if m.dtype == np.uint8 else dt, sharding=shardings[k]
+                tuple(m.shape), m.dtype if m.dtype == np.uint8 else dt, sharding=plain[k]
             )
             for k, m in meta.items()
         }
         with ocp.StandardCheckpointer() as ckptr:
             restored = _flatten(ckptr.restore(path / PARAMS_DIR, _nest(target)))
+        restored = {
+            k: x if shardings[k] is plain[k] else jax.device_put(x, shardings[k])
+            for k, x in restored.items()
+        }
         return cfg, params_from_arrays(cfg, restored, host=True)
     args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in meta}
     with ocp.PyTreeCheckpointer() as ckptr:
