@@ -32,46 +32,29 @@ def test_exact_in_any_order_multidevice(topology):
                     num_requests=24, history_seed=1, order_seed=7)
 
 
-@pytest.mark.parametrize("topology", [
-    {"tp": 2},
-    # ~4.5 min on this machine's two cores: out of CI (-m "multidevice and slow" runs it)
-    pytest.param({"disaggregate": (2, 2)}, marks=pytest.mark.slow),
-], ids=["tp2", "disaggregate-2-2"])
-def test_gpt_oss_exact_in_any_order_multidevice(topology):
-    """tiny-gpt-oss (sinks, window 8, YaRN, MoE): a smaller request set through the same
-    protocol, against the dense reference."""
-    if jax.device_count() < 4:
-        pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
-    _check_protocol(load_model("tiny-gpt-oss"), topology,
-                    num_requests=8, history_seed=14, order_seed=14)
+# The random mixture-of-experts models, each with a smaller request set (the fewest, with
+# these seeds, that still evict and restore): (model, requests, seed).
+MOE_MODELS = {
+    "gpt_oss": ("tiny-gpt-oss", 8, 14),  # sinks, window 8, YaRN, biased top-k router
+    # partial rotary, q/k norm over all heads (a cross-shard reduction at tp 2), sigmoid router
+    "minimax_m2": ("tiny-minimax-m2", 6, 16),
+    "qwen3_moe": ("tiny-qwen3-moe", 6, 16),  # dense and MoE layers, softmax router, q/k norms
+}
 
 
 @pytest.mark.parametrize("topology", [
     {"tp": 2},
+    # 1-4.5 min each on this machine's two cores: out of CI (-m "multidevice and slow")
     pytest.param({"disaggregate": (2, 2)}, marks=pytest.mark.slow),
 ], ids=["tp2", "disaggregate-2-2"])
-def test_minimax_m2_exact_in_any_order_multidevice(topology):
-    """tiny-minimax-m2 (partial rotary, q/k norm over all heads: a cross-shard reduction at
-    tp 2, sigmoid-routed MoE): the same protocol against the dense reference."""
+@pytest.mark.parametrize("family", list(MOE_MODELS))
+def test_moe_model_exact_in_any_order_multidevice(family, topology):
+    """Each random MoE model through the same protocol, against the dense reference."""
     if jax.device_count() < 4:
         pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
-    _check_protocol(load_model("tiny-minimax-m2"), topology,
-                    num_requests=6, history_seed=16, order_seed=16)
-
-
-@pytest.mark.parametrize("topology", [
-    {"tp": 2},
-    # ~1 min each at load ~3 on this machine; CI keeps tp2 only, as for gpt-oss
-    pytest.param({"disaggregate": (2, 2)}, marks=pytest.mark.slow),
-], ids=["tp2", "disaggregate-2-2"])
-def test_qwen3_moe_exact_in_any_order_multidevice(topology):
-    """tiny-qwen3-moe (dense and MoE layers, softmax router, q/k norms): the same protocol,
-    against the dense reference (6 requests: the fewest with the seeds below that still evict
-    and restore)."""
-    if jax.device_count() < 4:
-        pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
-    _check_protocol(load_model("tiny-qwen3-moe"), topology,
-                    num_requests=6, history_seed=16, order_seed=16)
+    name, count, seed = MOE_MODELS[family]
+    _check_protocol(load_model(name), topology,
+                    num_requests=count, history_seed=seed, order_seed=seed)
 
 
 def _check_protocol(model, topology: dict, num_requests: int, history_seed: int,

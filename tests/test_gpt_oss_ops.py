@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from exactness import dense_answers, mismatches, random_histories, run_requests
+from exactness import dense_answers
 from golden import F32_ATOL, tiny_dir, tiny_golden
-from test_cache_core import classify, random_history
+from ops_cases import CAPACITY, engine_matches_dense, random_cache_histories
 
-from akv_jax.cache.core import CacheOps, restore
+from akv_jax.cache.core import CacheOps
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history
-from akv_jax.serving.engine import Engine
 from converters.loading import load_model
-
-CAPACITY = 192
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +61,9 @@ def test_window_counts_the_view(tiny):
         np.testing.assert_allclose(np.asarray(got), ref, atol=1e-4)
 
 
-def compare_states(state, dense, dm, T):
-    k, v = state.slot_keys()
-    kd = dm.rotated_keys(dense)  # stored with YaRN's attention factor, once
-    for layer in range(len(kd)):
-        np.testing.assert_allclose(np.asarray(k[layer, :T]), kd[layer], atol=1e-5)
-        np.testing.assert_allclose(np.asarray(v[layer, :T]), dense.v[layer], atol=1e-5)
-    assert np.asarray(state.positions[:T]).tolist() == dense.pos.tolist()
-    assert np.asarray(state.active[:T]).tolist() == dense.active.tolist()
-    assert int(state.next_pos) == dense.next_pos
+def _window_kinds_of(tiny):
+    window = tiny[0].cfg.sliding_window
+    return lambda segs, h: _window_kinds(segs, h, window)
 
 
 def _window_kinds(segs, h, window):
@@ -87,57 +78,26 @@ def _window_kinds(segs, h, window):
     return kinds
 
 
-def _random_cache_histories(tiny, n: int, seed: int):
-    m, dm, ops = tiny
-    rng = np.random.default_rng(seed)
-    seen = set()
-    for _ in range(n):
-        segs, h = random_history(rng, n_max=8, len_max=20)
-        seen |= classify(h) | _window_kinds(segs, h, m.cfg.sliding_window)
-        T = sum(map(len, segs))
-        ref_logits, ref_state = dm.run(segs, h)
-        inc_logits, inc_state = ops.run(m.params, ops.empty(CAPACITY), segs, h)
-        one_logits, one_state = restore(m.params, m.cfg, segs, h, max_tokens=CAPACITY,
-                                        block_q=16, static_sizes=True)
-        np.testing.assert_allclose(np.asarray(inc_logits), ref_logits, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(one_logits), ref_logits, atol=1e-4)
-        compare_states(inc_state, ref_state, dm, T)
-        compare_states(one_state, ref_state, dm, T)
-    return seen
-
-
 def test_random_histories_cache_ops_and_restore(tiny):
-    seen = _random_cache_histories(tiny, 12, seed=14)
+    seen = random_cache_histories(tiny, 12, seed=14, kinds=_window_kinds_of(tiny))
     assert {"drop_in_window", "drop_outside_window", "middle_drop_then_repos"} <= seen, seen
 
 
 @pytest.mark.slow
 def test_random_histories_cache_ops_and_restore_200(tiny):
-    seen = _random_cache_histories(tiny, 200, seed=1400)
+    seen = random_cache_histories(tiny, 200, seed=1400, kinds=_window_kinds_of(tiny))
     assert seen >= {"drop_first", "drop_last_boundary", "middle_drop_then_repos",
                     "drop_without_repos", "several_repos", "drop_in_window",
                     "drop_outside_window"}, seen
 
 
-def _engine_case(tiny, backend: str, count: int, seed: int, concurrent=True, **kw):
-    m, dm, _ = tiny
-    reqs = random_histories(np.random.default_rng(seed), count, vocab=m.cfg.vocab_size)
-    refs = dense_answers(dm, reqs)
-    eng = Engine(m, max_total_tokens=4096, page_size=8, attention_backend=backend, **kw)
-    order = list(range(len(reqs)))
-    got = run_requests(eng, reqs, order, concurrent)
-    bad = mismatches(refs, order, got)
-    assert not bad, "\n".join(bad)
-    assert eng.flush_cache() and eng.cache.pool.used_pages == 0
-
-
 @pytest.mark.parametrize("backend,count", [("reference", 6), ("auto", 6), ("pallas", 2)])
 def test_engine_random_histories(tiny, backend, count):
-    _engine_case(tiny, backend, count, seed=140)
+    engine_matches_dense(tiny, backend, count, seed=140)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,count", [("reference", 24), ("auto", 24), ("pallas", 12)])
 def test_engine_random_histories_slow(tiny, backend, count):
-    _engine_case(tiny, backend, count, seed=1401)
-    _engine_case(tiny, backend, count // 2, seed=1402, concurrent=False, prefill_chunk=5)
+    engine_matches_dense(tiny, backend, count, seed=1401)
+    engine_matches_dense(tiny, backend, count // 2, seed=1402, concurrent=False, prefill_chunk=5)
