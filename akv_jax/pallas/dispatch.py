@@ -110,6 +110,12 @@ def make_attention_fn(
     return attention
 
 
+def _tensor_mesh() -> tuple[jax.sharding.AbstractMesh, int]:
+    """The context mesh (set by the serving step) and its "tensor" axis size (1 without)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh, 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+
+
 def _per_head_shard(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """Run ``kernel`` once per tensor-parallel shard of the heads.
 
@@ -126,8 +132,7 @@ def _per_head_shard(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array
     from jax.sharding import PartitionSpec as P
 
     def call(q, k_pages, v_pages, batch, sinks=None):
-        mesh = jax.sharding.get_abstract_mesh()
-        tp = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+        mesh, tp = _tensor_mesh()
         if tp == 1 or k_pages.shape[-2] % tp or q.shape[1] % tp:
             return kernel(q, k_pages, v_pages, batch, sinks=sinks)
         heads, kv = P(None, "tensor", None), P(None, None, "tensor", None)
@@ -164,8 +169,7 @@ def make_repos_fn(
             return repos_reference(k_pages, pages, old_pos, new_pos, table)
         # Per tensor-parallel head shard, as attention (see _per_head_shard): every head
         # rotates alike, so each device rotates its own heads' keys.
-        mesh = jax.sharding.get_abstract_mesh()
-        tp = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+        mesh, tp = _tensor_mesh()
         if tp == 1 or heads % tp:
             return kernel(k_pages, pages, old_pos, new_pos, table)
         from jax.sharding import PartitionSpec as P
