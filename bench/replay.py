@@ -55,7 +55,11 @@ in the JSON).
 
 Output: bench/results/replay.json (settings, every cell, ratios), bench/results/replay.png
 (``--name`` changes the stem),
-and a last line ``replay: AKV/Standard output throughput X.XXx, P95 latency X.XXx``.
+and a last line ``replay: AKV/Standard output throughput X.XXx, P95 latency X.XXx, lowest
+equal-C throughput X.XXx`` (the smallest AKV/Standard output-throughput ratio over the
+concurrencies). Per cell it also prints the server's tier counters: pages offloaded to and
+reloaded from the host tier, host evictions, tokens recomputed by restores, preemptions and
+admission waits.
 """
 
 from __future__ import annotations
@@ -118,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tiny-gpt-oss, whose 56 MoE step shapes a cold compile cache "
                         "compiles first: over 15 min on a loaded 2-core machine)")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--host-kv-tokens", type=int, default=None,
+                   help="server host-memory KV tier (default: the server's, 4x the pool)")
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--cost-model", default="GPT-OSS-120B")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -197,6 +203,16 @@ def _print_row(row: dict, tag: str, t: float | None) -> None:
         f"{row['ttft_mean_s']:5.2f} s  tpot {row['tpot_mean_ms']:5.1f} ms  hit "
         f"{row['cache_hit_rate']:.3f}  req {row['requests']} (+{row['summary_requests']} sum, "
         f"{row['errors']} err)  evict {row['server'].get('cache_evictions', 0):.0f} pages{took}",
+        flush=True,
+    )
+    sv = row["server"]
+    print(
+        f"{'':>{len(tag) + 17}} tiers: offload {sv.get('kv_offloaded_pages', 0):.0f} reload "
+        f"{sv.get('kv_reloaded_pages', 0):.0f} host-evict {sv.get('kv_host_evicted_pages', 0):.0f}"
+        f" pages, recomputed {sv.get('cache_restored_tokens', 0):.0f} tok in "
+        f"{sv.get('cache_restores', 0):.0f} restores, preempt "
+        f"{sv.get('engine_preemptions', 0):.0f}, admission waits "
+        f"{sv.get('engine_admission_waits', 0):.0f}",
         flush=True,
     )
 
@@ -305,6 +321,7 @@ def settings(args: argparse.Namespace, spec: TrajectorySpec) -> dict:
         "seed": args.seed,
         "server": {
             "model": args.model,
+            "host_kv_tokens": args.host_kv_tokens,
             "context_length": spec.context,
             "max_total_tokens": args.max_total_tokens,
             "page_size": args.page_size,
@@ -353,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                 # shape pays ~0.7 s to trace and load it, and that is always AKV's (it runs
                 # first), which cost it 20-30% of a 30-s window.
                 "--warmup-shapes",
+                *(["--host-kv-tokens", str(args.host_kv_tokens)]
+                  if args.host_kv_tokens is not None else []),
             ],
             timeout_s=args.server_timeout,
         )
@@ -394,9 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     if r is None:
         print("replay: AKV/Standard needs both methods")
         return 1
+    lowest = min(e["output_throughput"] for e in r["at_equal_concurrency"].values())
     print(
         f"replay: AKV/Standard output throughput {r['output_throughput']:.2f}x, "
-        f"P95 latency {r['latency_p95']:.2f}x"
+        f"P95 latency {r['latency_p95']:.2f}x, lowest equal-C throughput {lowest:.2f}x"
     )
     return 0
 

@@ -169,9 +169,10 @@ def exact_in_any_order(make_engine: Callable[..., Engine], model, reqs: list[tup
     assert big.flush_cache() and big.cache.pool.used_pages == 0, "pages leaked"
 
     for times in POOL_TIMES:
+        # No host tier: evicted live KV is recomputed by one-pass restores.
         small = make_engine(
             max_total_tokens=pool_that_forces_eviction(reqs, page_size, times),
-            page_size=page_size,
+            page_size=page_size, host_kv_tokens=0,
         )
         name = f"pool of {times}x the largest request"
         phase(small, f"{name}, reversed", backward, False)
@@ -180,7 +181,23 @@ def exact_in_any_order(make_engine: Callable[..., Engine], model, reqs: list[tup
         # path, and many allocations fall while others decode.
         phase(small, f"{name}, concurrent", list(rng.permutation(REPEATS * n) % n), True)
         phase(small, f"{name}, one arrival a step", list(rng.permutation(REPEATS * n) % n), 1)
-    assert not bad, "\n".join(bad)
     stats = small.stats()
     assert small.flush_cache() and small.cache.pool.used_pages == 0, "pages leaked"
+
+    # A device pool that holds just the largest request, and a host tier that holds the
+    # rest (evicted live KV is spilled and reloaded) or too little (some is spilled, the
+    # rest recomputed; host copies are evicted in turn). Concurrent phases preempt.
+    tokens = pool_that_forces_eviction(reqs, page_size, 1)
+    for host, label in ((64 * tokens, "all"), (tokens // 4, "a quarter")):
+        tiered = make_engine(max_total_tokens=tokens, page_size=page_size,
+                             host_kv_tokens=host)
+        name = f"pool of 1x the largest request, host tier for {label} of it"
+        phase(tiered, f"{name}, reversed", backward, False)
+        phase(tiered, f"{name}, concurrent", list(rng.permutation(REPEATS * n) % n), True)
+        phase(tiered, f"{name}, one arrival a step", list(rng.permutation(REPEATS * n) % n), 1)
+        tier = tiered.stats()
+        stats.update({f"{k}[{label}]": v for k, v in tier.items()})
+        assert tiered.flush_cache() and tiered.cache.pool.used_pages == 0, "pages leaked"
+        assert tiered.cache.host_used_pages == 0, "host pages leaked"
+    assert not bad, "\n".join(bad)
     return stats

@@ -66,6 +66,7 @@ def check(dm, reqs, results):
 def smallest_engine(m, reqs, **kw) -> Engine:
     """An engine (page size 8) whose pool holds just the largest of ``reqs``."""
     tokens = pool_that_forces_eviction(reqs, 8, 1, N_NEW)
+    kw.setdefault("host_kv_tokens", 0)  # evicted live KV is recomputed (restores)
     return Engine(m, max_total_tokens=tokens, page_size=8, attention_backend="reference", **kw)
 
 
@@ -259,3 +260,90 @@ def test_warm_up_shapes_covers_the_steps_and_leaves_no_trace(model):
     reqs = [([list(range(1, 1 + n))], {"drop": {}, "reposition": []}) for n in (5, 70, 200)]
     check(dm, reqs, run(eng, reqs, concurrent=True))
     assert _forward_step._cache_size() == compiled
+
+
+@pytest.mark.parametrize("host, chunk", [("all", 3), ("a quarter", 4096)])
+def test_host_tier_round_trips_are_exact(model, host, chunk):
+    """A device pool that holds just the largest request and a host tier that holds the rest
+    (every evicted live page is spilled, and reloaded when read again; prefill in 3-row
+    slices) or a quarter of it (host copies are evicted in turn; what is lost is
+    recomputed): answers equal the dense reference; nothing leaks in either tier."""
+    m, dm = model
+    reqs = random_requests(np.random.default_rng(12), 24)
+    tokens = pool_that_forces_eviction(reqs, 8, 1, N_NEW)
+    host_tokens = 64 * tokens if host == "all" else tokens // 4
+    eng = smallest_engine(m, reqs, host_kv_tokens=host_tokens, prefill_chunk=chunk)
+    check(dm, reqs, run(eng, reqs, concurrent=True))
+    check(dm, reqs, run(eng, reqs[::-1], concurrent=False)[::-1])
+    st = eng.stats()
+    assert st["offloaded_pages"] > 0 and st["reloaded_pages"] > 0
+    if host == "all":
+        assert st["host_evicted_pages"] == 0
+    else:
+        assert st["host_evicted_pages"] > 0 and st["restores"] > 0
+    assert eng.flush_cache() and eng.cache.pool.used_pages == 0
+    assert eng.cache.host_used_pages == 0
+
+
+@pytest.mark.parametrize("host_tokens", [4096, 0])
+def test_preempted_requests_resume_exactly(model, host_tokens):
+    """Four requests decode 40 tokens each in a pool that holds about two of them: decodes
+    run out of pages, the youngest are preempted (their KV spilled to the host tier, or,
+    without one, recomputed on resume) and resumed, sampling nothing twice and losing no
+    token; every answer equals the dense reference's."""
+    m, dm = model
+    rng = np.random.default_rng(3)
+    reqs = [([rng.integers(0, 256, 20).tolist(), rng.integers(0, 256, 12).tolist()],
+             {"drop": {}, "reposition": []}) for _ in range(4)]
+    n_new = 40
+    eng = Engine(m, max_total_tokens=8 * 20, page_size=8, attention_backend="reference",
+                 host_kv_tokens=host_tokens)
+    got = run_requests(eng, reqs, list(range(4)), True, n=n_new)
+    for (segs, cache), (toks, lps, meta) in zip(reqs, got, strict=True):
+        ref_toks, ref_lps = dense_generate(dm, segs, parse_history(cache, len(segs)), n_new)
+        assert toks == ref_toks and meta["finish_reason"] == "length"
+        np.testing.assert_allclose(lps, ref_lps, atol=1e-4)
+        assert meta["prompt_tokens"] == 32 and meta["completion_tokens"] == n_new
+    st = eng.stats()
+    assert st["preemptions"] > 0 and st["resumes"] == st["preemptions"]
+    if host_tokens:
+        assert st["reloaded_pages"] > 0
+    assert eng.flush_cache() and eng.cache.pool.used_pages == 0
+
+
+@pytest.mark.parametrize("window", [1000.0, 0.0])
+def test_admission_waits_rather_than_lose_an_active_trajectorys_kv(model, window):
+    """No host tier; trajectory A has just finished a turn (its KV unlocked but used a moment
+    ago), B decodes, and C's prefill fits only by evicting A's KV. With a protection window C
+    waits (admission_waits counts the steps) until nothing else runs; without one it evicts
+    A at once and runs beside B. Either way every answer equals the reference."""
+    m, dm = model
+    rng = np.random.default_rng(4)
+    a, b, c = ([rng.integers(0, 256, 32).tolist()] for _ in range(3))
+    eng = Engine(m, max_total_tokens=8 * 12, page_size=8, attention_backend="reference",
+                 host_kv_tokens=0, admission_window_s=window, admission_max_wait_s=1000.0)
+    order: list[tuple[str, bool]] = []  # (rid, finished) in event order
+    got: dict[str, list] = {"a": [], "b": [], "c": []}
+
+    def step():
+        for ev in eng.step():
+            got[ev.rid].append(ev)
+            order.append((ev.rid, ev.finished))
+
+    _add(eng, "a", [a[0]], n=8)
+    while eng.has_work():
+        step()
+    _add(eng, "b", [b[0]], n=40)
+    step()
+    _add(eng, "c", [c[0]], n=8)
+    while eng.has_work():
+        step()
+    first_c = order.index(("c", False))
+    b_done = order.index(("b", True))
+    if window:
+        assert first_c > b_done and eng.counters["admission_waits"] > 0
+    else:
+        assert first_c < b_done and eng.counters["admission_waits"] == 0
+    for rid, segs, n in (("a", [a[0]], 8), ("b", [b[0]], 40), ("c", [c[0]], 8)):
+        ref_toks, ref_lps = dense_generate(dm, segs, parse_history(None, len(segs)), n)
+        assert [ev.token_id for ev in got[rid] if ev.token_id >= 0] == ref_toks

@@ -66,6 +66,11 @@ def test_exact_in_any_order(setup, backend, chunk, count):
     # The small pool really evicted and restored, dead KV first.
     assert stats["evictions"] > 0 and stats["dead_evictions"] > 0
     assert stats["restores"] > 0
+    # With a host tier: live KV spilled and reloaded (preemption: test_engine_exact); the
+    # small tier also evicted host copies, so restores recomputed what it had lost.
+    assert stats["offloaded_pages[all]"] > 0 and stats["reloaded_pages[all]"] > 0
+    assert stats["host_evicted_pages[all]"] == 0
+    assert stats["host_evicted_pages[a quarter]"] > 0 and stats["restores[a quarter]"] > 0
 
 
 def test_a_request_after_its_extension_keeps_its_view_under_eviction(setup):

@@ -71,3 +71,5 @@ def _check_protocol(model, topology: dict, num_requests: int, history_seed: int,
 
     stats = exact_in_any_order(make_engine, model, reqs, refs, seed=order_seed)
     assert stats["evictions"] > 0 and stats["restores"] > 0
+    # The host tier under tensor parallelism / disaggregation: spilled and reloaded.
+    assert stats["offloaded_pages[all]"] > 0 and stats["reloaded_pages[all]"] > 0

@@ -31,6 +31,12 @@ COUNTERS = (
     "akv_cache_restored_tokens_total",
     "akv_kv_pool_used_pages",
     "akv_kv_pool_total_pages",
+    "akv_kv_host_used_pages",
+    "akv_kv_offloaded_pages_total",
+    "akv_kv_reloaded_pages_total",
+    "akv_kv_host_evicted_pages_total",
+    "akv_engine_preemptions_total",
+    "akv_engine_admission_waits_total",
 )
 
 

@@ -5,25 +5,51 @@ This is the only code that writes node fields (pages, writer, locks, clocks, pin
 planner decides *what* a request needs and asks for it here, the scheduler says when a
 request starts, finishes or fails. Eviction policy lives in the tree (radix.py); page
 ownership in the pool (page_pool.py).
+
+The host tier. With ``host_pages`` > 0, live KV that eviction takes off the device is first
+copied to a bounded pool of host pages (``spill``; the copy itself is the executor's, given
+as ``mover``), and a request that needs it again reloads it (``reload``: a copy, no
+compute) instead of recomputing it. Dead KV is never spilled. The host pool evicts by the
+same rule as the device (dead first, then least recently used); what it evicts is gone and
+is recomputed when needed, as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from akv_jax.serving.page_pool import PagePool
 from akv_jax.serving.radix import Key, Node, RadixTree
 
 
+class PageMover(Protocol):
+    """Copies KV pages between the device pool and the host tier (the executor)."""
+
+    def offload(self, device_pages: list[int], host_pages: list[int]) -> None: ...
+
+    def reload(self, host_pages: list[int], device_pages: list[int]) -> None: ...
+
+
 class CacheManager:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, host_pages: int = 0,
+                 mover: PageMover | None = None):
         self.num_pages = num_pages
         self.page_size = page_size
+        self.num_host_pages = host_pages if mover is not None else 0
+        self.mover = mover
         self.pool = PagePool(num_pages)
+        self.host_pool = PagePool(self.num_host_pages) if self.num_host_pages else None
         self.tree = RadixTree(self.pool, page_size)
+        self._connect_tiers()
+        self.tier_counters = dict(offloaded_pages=0, reloaded_pages=0, host_evicted_pages=0,
+                                  host_dead_evictions=0)
         # What the plan in progress changed, so that a plan that gives up or raises
         # anywhere is undone exactly (see begin_plan / undo_plan).
         self._journal: list[tuple[str, Node]] | None = None
+
+    def _connect_tiers(self) -> None:
+        self.tree.spill = self.spill if self.host_pool is not None else None
 
     # ------------------------------------------------------------------ reads
     def match(self, keys: Sequence[Key]) -> list[Node]:
@@ -108,11 +134,12 @@ class CacheManager:
         """``n`` pages, evicting when short; None (nothing taken) when it cannot."""
         return self.tree.alloc(n)
 
-    def alloc_nodes(self, nodes: Sequence[Node]) -> bool:
-        """Pages for every node in ``nodes``, or for none (False)."""
+    def alloc_nodes(self, nodes: Sequence[Node], keep_used_after: float | None = None) -> bool:
+        """Pages for every node in ``nodes``, or for none (False). ``keep_used_after``:
+        evict no live KV used since then that would be lost (see RadixTree.evict)."""
         done: list[Node] = []
         for node in nodes:
-            pages = self.tree.alloc(self.node_pages(node))
+            pages = self.tree.alloc(self.node_pages(node), keep_used_after)
             if pages is None:
                 for n in done:
                     self.pool.free(n.pages)
@@ -155,6 +182,59 @@ class CacheManager:
                 self.pool.free(n.pages)
                 n.pages = None
 
+    # ------------------------------------------------------------------ host tier
+    def spill(self, nodes: list[Node]) -> None:
+        """Copy live nodes that eviction is about to empty to the host tier, as many as it
+        can take (making room by evicting its own dead, then least recently used, copies;
+        never those of ``nodes`` or of nodes pinned this step). One batched copy."""
+        assert self.host_pool is not None and self.mover is not None
+        spilling = {n.id for n in nodes}
+        dev: list[int] = []
+        host: list[int] = []
+        for node in sorted(nodes, key=lambda n: -n.last_used):  # the most recent first
+            need = len(node.pages)
+            if need > self.host_pool.free_pages:
+                self._evict_host(need - self.host_pool.free_pages, spilling)
+            got = self.host_pool.alloc(need)
+            if got is None:
+                continue  # the host tier is full of what is pinned or spilling now
+            node.host_pages = got
+            dev += node.pages
+            host += got
+        if dev:
+            self.mover.offload(dev, host)
+            self.tier_counters["offloaded_pages"] += len(dev)
+
+    def _evict_host(self, pages_needed: int, keep: set[int]) -> None:
+        dead = self.tree.dead()
+        cands = [n for n in self.tree.nodes()
+                 if n.host_pages and n.id not in keep and n.id not in self.tree.pinned]
+        cands.sort(key=lambda n: (n.id not in dead, n.last_used))
+        freed = 0
+        for n in cands:
+            if freed >= pages_needed:
+                break
+            freed += len(n.host_pages)
+            if n.id in dead:
+                self.tier_counters["host_dead_evictions"] += len(n.host_pages)
+            self.host_pool.free(n.host_pages)
+            n.host_pages = None
+        self.tier_counters["host_evicted_pages"] += freed
+
+    def reload(self, nodes: Sequence[Node]) -> None:
+        """Copy host-tier KV back into the device pages just allocated for ``nodes``."""
+        nodes = [n for n in nodes if n.pages is not None and n.host_pages is not None]
+        if not nodes:
+            return
+        host = [pg for n in nodes for pg in n.host_pages]
+        dev = [pg for n in nodes for pg in n.pages]
+        self.mover.reload(host, dev)
+        self.tier_counters["reloaded_pages"] += len(dev)
+
+    @property
+    def host_used_pages(self) -> int:
+        return self.host_pool.used_pages if self.host_pool is not None else 0
+
     # ------------------------------------------------------------------ finishing
     def insert(self, parent: Node, tokens: tuple[int, ...], tok_start: int,
                pages: list[int]) -> Node:
@@ -173,16 +253,23 @@ class CacheManager:
 
     # ------------------------------------------------------------------ whole cache
     def flush(self) -> None:
-        """Drop every stored node (callers ensure nothing is locked)."""
+        """Drop every stored node, in both tiers (callers ensure nothing is locked)."""
+        if self.host_pool is not None:
+            for n in self.tree.nodes():
+                if n.host_pages:
+                    self.host_pool.free(n.host_pages)
+                    n.host_pages = None
         self.tree.flush()
 
     def reset(self) -> None:
-        """Start over from an empty pool and tree (after a fault that left the bookkeeping
+        """Start over from empty pools and tree (after a fault that left the bookkeeping
         untrustworthy); eviction counters carry on."""
         old = self.tree
         self.pool = PagePool(self.num_pages)
+        self.host_pool = PagePool(self.num_host_pages) if self.num_host_pages else None
         self.tree = RadixTree(self.pool, self.page_size)
         self.tree.evictions, self.tree.dead_evictions = old.evictions, old.dead_evictions
+        self._connect_tiers()
 
     def stats(self) -> dict[str, int]:
         return dict(
@@ -190,4 +277,7 @@ class CacheManager:
             dead_evictions=self.tree.dead_evictions,
             pool_used_pages=self.pool.used_pages,
             pool_total_pages=self.num_pages,
+            host_used_pages=self.host_used_pages,
+            host_total_pages=self.num_host_pages,
+            **self.tier_counters,
         )

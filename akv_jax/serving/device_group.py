@@ -115,14 +115,14 @@ def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None
     n = bucket(len(pages), 8)
     idx = np.full(n, P, np.int32)
     idx[: len(pages)] = pages
-    k, v = _gather_pages(src.kv, jnp.asarray(np.minimum(idx, P - 1)))
+    k, v = gather_pages(src.kv, jnp.asarray(np.minimum(idx, P - 1)))
     target = dst.kv_sharding
     if target is not None:
         k, v = jax.device_put(k, target), jax.device_put(v, target)
     else:
         dev = next(iter(dst.kv.k.devices()))
         k, v = jax.device_put(k, dev), jax.device_put(v, dev)
-    dst.kv = _scatter_pages(dst.kv, jnp.asarray(idx), k, v)
+    dst.kv = scatter_pages(dst.kv, jnp.asarray(idx), k, v)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh"), donate_argnums=(4,))
@@ -164,12 +164,12 @@ def _rerotate_copy_body(kv: KVPool, src, dst, old_pos, new_pos, rope, repos) -> 
 
 
 @jax.jit
-def _gather_pages(kv: KVPool, pages):
+def gather_pages(kv: KVPool, pages):
     return kv.k[:, pages], kv.v[:, pages]
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_pages(kv: KVPool, pages, k, v) -> KVPool:
+def scatter_pages(kv: KVPool, pages, k, v) -> KVPool:
     return KVPool(
         k=kv.k.at[:, pages].set(k, mode="drop"), v=kv.v.at[:, pages].set(v, mode="drop")
     )

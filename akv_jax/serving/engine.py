@@ -11,7 +11,18 @@ Request life cycle:
    prompt never stalls running decodes for more than one slice; rows only read KV of
    earlier rows, which earlier slices have written.
 3. Decode: one token per running request per step, its view the request's final version.
+   When a decode row finds no free page, the youngest decoding request is *preempted*: its
+   generated KV becomes a token node (as at finish), its path is unlocked, so eviction may
+   spill all of it to the host tier, and it waits at the head of the queue to resume as its
+   prompt plus the tokens it had fed: a prefill that reloads (or, if the host tier lost it,
+   recomputes) that state exactly, samples nothing, and decoding goes on where it stopped.
 4. Finish: generated tokens become a token node, the path is unlocked.
+
+Admission (memory): a plan allocates without evicting KV that running requests read (locks)
+or, while others run, live KV used in the last ``admission_window_s`` that would be lost
+(with a host tier, evicted live KV is spilled, not lost); otherwise it waits, at most
+``admission_max_wait_s``. A sliced prefill keeps pinned only the KV its remaining rows read,
+so dead KV that only earlier rows read is freed as soon as they have run.
 
 Who does what: ``cache_manager.py`` owns the radix tree and the page pool; ``planner.py``
 decides what a request computes and lays out its rows; ``executor.py`` packs passes into
@@ -24,6 +35,7 @@ split apart, the release rules would be scattered over modules.)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -32,7 +44,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from akv_jax.cache.timeline import Timeline
+from akv_jax.cache.ops import OpHistory
+from akv_jax.cache.timeline import Timeline, timeline
 from akv_jax.serving.admission import check_request
 from akv_jax.serving.cache_manager import CacheManager
 from akv_jax.serving.executor import Executor
@@ -64,21 +77,35 @@ class Engine:
         tp: int = 1,
         disaggregate: tuple[int, int] | None = None,
         devices=None,
+        host_kv_tokens: int | None = None,
+        admission_window_s: float = 10.0,
+        admission_max_wait_s: float = 2.0,
     ):
         """``tp``: tensor-parallel degree of the (colocated) device group.
         ``disaggregate=(P, D)``: prefill and restores on the first P devices, decode on the
-        next D (each group tensor-parallel over its devices), KV pages handed between them."""
+        next D (each group tensor-parallel over its devices), KV pages handed between them.
+        ``host_kv_tokens``: the host tier's size (None: four times the device pool; 0: no
+        host tier; always none across several processes, whose host memories differ).
+        ``admission_window_s`` / ``admission_max_wait_s``: see the module docstring."""
         self.cfg = model.cfg
         tok = getattr(model, "tokenizer", None)
         self.eos_ids = set(model.cfg.eos_token_ids) | set(getattr(tok, "eos_ids", ()) or ())
         self.page_size = page_size
         self.num_pages = max(2, -(-max_total_tokens // page_size))
+        if host_kv_tokens is None:
+            host_kv_tokens = 4 * self.num_pages * page_size
+        if host_kv_tokens < 0:
+            raise ValueError(f"host_kv_tokens={host_kv_tokens}: must be at least 0")
+        self.num_host_pages = -(-host_kv_tokens // page_size) if jax.process_count() == 1 else 0
         self.executor = Executor(
             self.cfg, model.params, num_pages=self.num_pages, page_size=page_size,
             kv_dtype=kv_dtype or model.params.embed.dtype, attention_backend=attention_backend,
-            tp=tp, disaggregate=disaggregate, devices=devices,
+            tp=tp, disaggregate=disaggregate, devices=devices, host_pages=self.num_host_pages,
         )
-        self.cache = CacheManager(self.num_pages, page_size)
+        self.cache = CacheManager(self.num_pages, page_size, self.num_host_pages,
+                                  self.executor if self.num_host_pages else None)
+        self.admission_window_s = admission_window_s
+        self.admission_max_wait_s = admission_max_wait_s
         self.planner = Planner(self.cache)
         self.backend = attention_backend
         self.max_running = max_running
@@ -97,6 +124,10 @@ class Engine:
             restored_tokens=0,
             requests_finished=0,
             requests_failed=0,
+            preemptions=0,
+            resumes=0,
+            admission_waits=0,  # steps in which the head of the queue could not be planned
+            admission_wait_seconds=0.0,  # queueing time of admitted requests, summed
         )
         self._step_id = 0
 
@@ -110,6 +141,8 @@ class Engine:
         keys, tok_index, boundary = request_keys(req.segments, req.history)
         r = RequestState(req, tl, keys, tok_index, boundary, time.monotonic())
         r.rng = make_rng(req.sampling.seed)
+        r.prompt_tokens = tl.num_tokens
+        r.waiting_since = r.arrival
         self.waiting.append(r)
 
     # ------------------------------------------------------------------ ending requests
@@ -227,9 +260,10 @@ class Engine:
         budget = self.prefill_chunk
         for r in list(self.prefilling.values()):
             try:
-                # Its whole path stays pinned until the last slice: dead KV that later rows
-                # still read must not be evicted by this step's allocations.
-                self.cache.pin(self.cache.path_to(r.last_node))
+                # What its remaining rows read stays pinned until they have run: dead KV
+                # they still read must not be evicted by this step's allocations; dead KV
+                # only earlier slices read may go.
+                self.cache.pin(self._still_read(r))
                 if budget > 0:
                     budget -= self._take_slice(r, budget, slices)
             except Exception as e:
@@ -246,23 +280,31 @@ class Engine:
             and len(self.running) + len(self.prefilling) < self.max_running
         ):
             r = self.waiting[0]
+            cached = r.cached_tokens
             try:
-                p = self.planner.plan(r, self._step_id)  # undone in the cache if it raises
+                # Undone in the cache if it raises.
+                p = self.planner.plan(r, self._step_id, self._keep_used_after(r))
             except Exception as e:
                 if isinstance(e, PoolTooSmall):  # a clear answer, not a fault: nothing to log
                     events.append(self._fail(r, str(e)))
                 else:
                     events.append(self._failed(r, e, "planning"))
                 continue
+            c = self.counters
             if p is None:
+                c["admission_waits"] += 1
                 break
             self.waiting.popleft()
             r.prefill, r.prefill_done, r.status = p, 0, "prefill"
             self.prefilling[r.rid] = r
-            c = self.counters
-            c["cache_queries"] += 1
-            c["cache_query_tokens"] += r.tl.num_tokens
-            c["cache_hit_tokens"] += r.cached_tokens
+            c["admission_wait_seconds"] += time.monotonic() - r.waiting_since
+            if r.resumed:  # its usage figures are its first admission's
+                r.cached_tokens = cached
+                c["resumes"] += 1
+            else:
+                c["cache_queries"] += 1
+                c["cache_query_tokens"] += r.tl.num_tokens
+                c["cache_hit_tokens"] += r.cached_tokens
             if p.restored_tokens:
                 c["restores"] += 1
                 c["restored_tokens"] += p.restored_tokens
@@ -272,17 +314,34 @@ class Engine:
                 slices[:] = [(q, sl) for q, sl in slices if q is not r]
                 events.append(self._failed(r, e, "prefill", kv_unwritten=True))
 
+    def _keep_used_after(self, r: RequestState) -> float | None:
+        """Admission's protection for ``r``'s plan (see the module docstring): None when
+        nobody else runs (waiting would free nothing) or ``r`` has waited its bound."""
+        now = time.monotonic()
+        if not (self.running or self.prefilling):
+            return None
+        if now - r.waiting_since >= self.admission_max_wait_s:
+            return None
+        return now - self.admission_window_s
+
     def _decode_rows(self, prefilling: bool, events: list[TokenEvent]) -> Work:
-        """One row per decoding request that has a page for its next token."""
+        """One row per decoding request that has a page for its next token, oldest first;
+        when one finds none, the youngest still without a row is preempted until it does."""
         work: Work = []
         stalled: list[RequestState] = []
-        for r in [r for r in self.running.values() if r.status == "decode"]:
+        queue = deque(sorted((r for r in self.running.values() if r.status == "decode"),
+                             key=lambda q: q.arrival))
+        while queue:
+            r = queue.popleft()
             try:
                 dp = self.planner.decode_pass(r)
+                while dp is None and queue:
+                    self._preempt(queue.pop())
+                    dp = self.planner.decode_pass(r)
             except Exception as e:
                 events.append(self._failed(r, e, "decode"))
                 continue
-            if dp is None:  # no free page for its next token: wait for others to finish
+            if dp is None:  # nobody younger to preempt: it waits for older ones to finish
                 stalled.append(r)
                 continue
             work.append((r, dp))
@@ -332,6 +391,9 @@ class Engine:
                 try:
                     if r.status == "prefill":
                         self._prefill_done(r)
+                        if r.resumed:  # its next token was sampled before it was preempted
+                            r.resumed = False
+                            continue
                     events.extend(self._sample(r, np.asarray(row)))
                 except Exception as e:
                     events.append(self._failed(r, e, "sampling"))
@@ -377,6 +439,14 @@ class Engine:
             self.cache.mark_written(self._written_by(r), self._step_id)
         return b - a
 
+    def _still_read(self, r: RequestState) -> list:
+        """Nodes of ``r``'s path whose pages the rows of its pass not yet run read or
+        write."""
+        p, done = r.prefill, r.prefill_done
+        pages = {pg for s in p.segments if s.q_start + s.q_len > done for pg in s.pages}
+        return [n for n in self.cache.path_to(r.last_node)
+                if n.pages and not pages.isdisjoint(n.pages)]
+
     def _written_by(self, r: RequestState):
         return self.cache.written_by(self.cache.path_to(r.last_node), r.rid)
 
@@ -385,6 +455,28 @@ class Engine:
         r.prefill = None
         r.status = "decode"
         self.running[r.rid] = r
+
+    def _preempt(self, r: RequestState) -> None:
+        """Swap decoding request ``r`` out (see the module docstring): its fed tokens' KV
+        enters the cache as the last segment of its continuation request, which waits at
+        the head of the queue; its sampler state and generated tokens stay with it."""
+        del self.running[r.rid]
+        fed = r.generated[r.gen_base : -1]
+        self._release(r, insert=True)
+        if fed:
+            req, h = r.req, r.req.history
+            segments = [*req.segments, list(fed)]
+            history = OpHistory(len(segments), h.drops, h.repos)
+            r.req = dataclasses.replace(req, segments=segments, history=history)
+            r.tl = timeline([len(x) for x in segments], history)
+            r.keys, r.tok_index, r.key_boundary = request_keys(segments, history)
+        r.gen_base = len(r.generated) - 1
+        r.resumed = True
+        r.status = "waiting"
+        r.waiting_since = time.monotonic()
+        r.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.waiting.appendleft(r)
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, r: RequestState, logits: np.ndarray) -> list[TokenEvent]:
@@ -410,9 +502,9 @@ class Engine:
     @staticmethod
     def _meta(r: RequestState) -> dict:
         return dict(
-            prompt_tokens=r.tl.num_tokens,
+            prompt_tokens=r.prompt_tokens,
             cached_tokens=r.cached_tokens,
-            active_tokens=int(r.tl.final_active.sum()) + len(r.generated),
+            active_tokens=int(r.tl.final_active.sum()) + len(r.generated) - r.gen_base,
         )
 
     def _finish(self, r: RequestState, reason: str) -> TokenEvent:
@@ -424,7 +516,7 @@ class Engine:
 
     def _release(self, r: RequestState, insert: bool) -> None:
         """Hand generated KV to the cache (the next turn reuses it) and unlock the path."""
-        fed = r.generated[:-1]  # the last sampled token was never fed, so has no KV
+        fed = r.generated[r.gen_base : -1]  # the last sampled token was never fed: no KV
         pages = r.gen_pages
         r.gen_pages = []
         if insert and fed and r.prompt_last_node is not None:

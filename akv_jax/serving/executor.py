@@ -23,6 +23,7 @@ from akv_jax.model.params import Params, make_mesh
 from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, transfer_pages
+from akv_jax.serving.host_tier import HostKV
 from akv_jax.serving.work import Pass, RequestState
 
 PREFILL_BLOCK_Q = 64  # query rows per attention block in prefill forwards
@@ -97,10 +98,12 @@ class Executor:
         tp: int = 1,
         disaggregate: tuple[int, int] | None = None,
         devices: list | None = None,
+        host_pages: int = 0,
     ):
         """``tp``: tensor-parallel degree of the (colocated) device group.
         ``disaggregate=(P, D)``: prefill and restores on the first P devices, decode on the
-        next D (each group tensor-parallel over its devices), KV pages handed between them."""
+        next D (each group tensor-parallel over its devices), KV pages handed between them.
+        ``host_pages``: pages of the host tier (0: none)."""
         self.cfg = cfg
         self.num_pages = num_pages
         self.page_size = page_size
@@ -117,6 +120,7 @@ class Executor:
             self.decode = group(devices[n_p : n_p + n_d])
         else:
             self.prefill = self.decode = group(devices[:tp] if tp > 1 else None)
+        self.host = HostKV(cfg, host_pages, page_size, kv_dtype) if host_pages else None
         self.rope = rope_table_for(cfg)
         self._attn = {
             bq: make_model_attention(cfg, attention_backend, bq)
@@ -143,6 +147,15 @@ class Executor:
         restores read them on the prefill group."""
         if self.disaggregated and pages:
             transfer_pages(self.decode, self.prefill, pages)
+
+    # The host tier's copies (the cache manager's PageMover). Every resident page holds the
+    # same KV in both groups, so spills read the prefill group; reloads write both.
+    def offload(self, device_pages: list[int], host_pages: list[int]) -> None:
+        self.host.offload(self.prefill, device_pages, host_pages)
+
+    def reload(self, host_pages: list[int], device_pages: list[int]) -> None:
+        groups = [self.prefill, self.decode] if self.disaggregated else [self.prefill]
+        self.host.reload(groups, host_pages, device_pages)
 
     def run(self, group: DeviceGroup, work: Work, block_q: int) -> jax.Array:
         """Dispatch one forward over ``work`` on ``group``; returns its logits rows (lazy)."""

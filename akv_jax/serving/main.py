@@ -52,6 +52,20 @@ def _positive(name: str):
     return parse
 
 
+def _at_least_zero(name: str, kind=int):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if not v >= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 0, got {text}")
+        return v
+
+    return parse
+
+
 def _port(text: str) -> int:
     try:
         v = int(text)
@@ -79,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", choices=("auto", "reference", "pallas"), default="auto")
     p.add_argument("--max-total-tokens", type=_positive("--max-total-tokens"), default=16384,
                    help="KV pool size in tokens")
+    p.add_argument("--host-kv-tokens", type=_at_least_zero("--host-kv-tokens"), default=None,
+                   help="host-memory KV tier in tokens: evicted live KV is copied there and "
+                        "reloaded instead of recomputed (default: 4x --max-total-tokens; 0: "
+                        "none; single-process only)")
+    p.add_argument("--admission-window-s", type=_at_least_zero("--admission-window-s", float),
+                   default=10.0,
+                   help="while others run, a prefill waits rather than evict live KV used in "
+                        "the last this many seconds that would be lost (not spilled)")
+    p.add_argument("--admission-max-wait-s",
+                   type=_at_least_zero("--admission-max-wait-s", float), default=2.0,
+                   help="longest such a wait; then it evicts by least recent use")
     p.add_argument("--page-size", type=_positive("--page-size"), default=16)
     p.add_argument("--context-length", type=_positive("--context-length"), default=None,
                    help="position limit of a request (default: the model's "
@@ -259,6 +284,9 @@ def build_engine(args: argparse.Namespace):
             prefill_chunk=args.prefill_chunk,
             tp=args.tp,
             disaggregate=args.disaggregate,
+            host_kv_tokens=args.host_kv_tokens,
+            admission_window_s=args.admission_window_s,
+            admission_max_wait_s=args.admission_max_wait_s,
         )
         if isinstance(placement, str):  # "host": the groups hold their copies; free this one
             import dataclasses

@@ -43,6 +43,31 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "requests_finished": ("engine_requests_finished", "counter", "Requests the engine ended."),
     "pool_used_pages": ("kv_pool_used_pages", "gauge", "KV pool pages in use."),
     "pool_total_pages": ("kv_pool_total_pages", "gauge", "KV pool pages in total."),
+    "host_used_pages": ("kv_host_used_pages", "gauge", "Host-tier KV pages in use."),
+    "host_total_pages": ("kv_host_total_pages", "gauge", "Host-tier KV pages in total."),
+    "offloaded_pages": (
+        "kv_offloaded_pages", "counter", "Evicted live KV pages copied to the host tier."
+    ),
+    "reloaded_pages": (
+        "kv_reloaded_pages", "counter", "KV pages copied back from the host tier (not recomputed)."
+    ),
+    "host_evicted_pages": (
+        "kv_host_evicted_pages", "counter", "Host-tier pages evicted (their KV is gone)."
+    ),
+    "host_dead_evictions": (
+        "kv_host_evicted_dead_pages", "counter", "Host-tier pages evicted that held dead KV."
+    ),
+    "preemptions": (
+        "engine_preemptions", "counter", "Decoding requests swapped out for lack of pages."
+    ),
+    "resumes": ("engine_resumes", "counter", "Preempted requests resumed."),
+    "admission_waits": (
+        "engine_admission_waits", "counter",
+        "Steps in which the next queued request could not be admitted (memory or protection).",
+    ),
+    "admission_wait_seconds": (
+        "engine_admission_wait_seconds", "counter", "Queueing time of admitted requests, summed."
+    ),
     "running": ("num_running_requests", "gauge", "Requests being prefilled or decoded."),
     "waiting": ("num_waiting_requests", "gauge", "Requests queued for admission."),
 }

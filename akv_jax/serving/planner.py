@@ -53,14 +53,17 @@ class Planner:
         self.page_size = cache.page_size
 
     # ------------------------------------------------------------------ prefill
-    def plan(self, r: RequestState, step: int) -> Pass | None:
+    def plan(self, r: RequestState, step: int, keep_used_after: float | None = None
+             ) -> Pass | None:
         """Plan ``r``'s prefill pass, or None to retry next step (memory or dependencies).
         Raises :class:`PoolTooSmall` when it can never fit; whatever it raises, the cache
-        is as before (the plan's changes are undone)."""
+        is as before (the plan's changes are undone). ``keep_used_after``: its allocations
+        may not evict live KV used since then that would be lost (admission's protection of
+        active trajectories; see RadixTree.evict)."""
         cache = self.cache
         cache.begin_plan()
         try:
-            p = self._plan(r, step)
+            p = self._plan(r, step, keep_used_after)
         except BaseException:
             cache.undo_plan()
             r.last_node = r.prompt_last_node = None
@@ -71,7 +74,7 @@ class Planner:
         cache.end_plan()
         return p
 
-    def _plan(self, r: RequestState, step: int) -> Pass | None:
+    def _plan(self, r: RequestState, step: int, keep_used_after: float | None) -> Pass | None:
         cache = self.cache
         path, fresh = self.build_path(r)
         if any(n.busy_step == step or n.writer is not None for n in path):
@@ -81,10 +84,12 @@ class Planner:
         final = [v for v in final_view(path) if r.tl.final_active[list(v.token_ids())].any()]
         compute, needed = self.choose_compute(r, path, fresh, final)
         used = [n for n in path if n.id in compute or n.id in needed]
+        # Needed KV that only the host tier holds is copied back, not recomputed.
+        reload = [n for n in used if n.id not in compute and n.evicted]
         # pages_bound() counts a request's own segments, but a stored prefix split at other
         # requests' message boundaries can take more pages (a node each, page-aligned).
         holds = sum(cache.node_pages(n) for n in used if n.kind != "drop")
-        holds += cache.pages_for(r.req.sampling.max_new_tokens)
+        holds += cache.pages_for(r.new_tokens_left)
         if holds > cache.num_pages:
             raise PoolTooSmall(
                 f"this request needs {holds} KV pages at once (its prefix is stored split at "
@@ -93,9 +98,11 @@ class Planner:
             )
         cache.hold(used, path[-1])
         to_alloc = [n for n in path if n.id in compute and n.pages is None]
-        if not cache.alloc_nodes(to_alloc):
+        if not cache.alloc_nodes(to_alloc + reload, keep_used_after):
             return None
         cache.mark_writing([n for n in path if n.id in compute], r.rid)
+        # Dispatched now, before this step's forwards and pre-pass copies read them.
+        cache.reload(reload)
         p = self.lay_out(r, path, compute, final)
         p.written_pages = [pg for n in path if n.id in compute for pg in n.pages]
         p.restored_tokens = sum(len(n.token_ids()) for n in to_alloc if n.id not in fresh)
@@ -147,7 +154,8 @@ class Planner:
         """``(compute, needed)``: nodes to compute (fresh ones, the last token node, and, to a
         fixpoint, every emptied node whose KV something computed, or the final view
         ``final``, still attends to) and the nodes whose KV the pass or the final view
-        reads."""
+        reads. A needed node with a host-tier copy is reloaded, not computed, so what it
+        would have read is not needed for it."""
         tl = r.tl
         compute = {n.id for n in path if n.id in fresh and n.kind != "drop"}
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
@@ -166,7 +174,7 @@ class Planner:
                         held = set(node.held_tokens)
                         needed |= {v.id for v in view if held & set(v.token_ids())}
                     view = [node]
-            extra = {n.id for n in path if n.id in needed and n.evicted} - compute
+            extra = {n.id for n in path if n.id in needed and n.gone} - compute
             if not extra:
                 return compute, needed
             compute |= extra
@@ -254,7 +262,7 @@ class Planner:
     def decode_pass(self, r: RequestState) -> Pass | None:
         """``r``'s next decode row, or None when no page is free for its next token."""
         ps = self.page_size
-        j = len(r.generated) - 1  # index of the token being fed
+        j = len(r.generated) - 1 - r.gen_base  # index of the token being fed, in gen_pages
         if j // ps >= len(r.gen_pages):
             pages = self.cache.alloc(1)
             if pages is None:

@@ -13,9 +13,12 @@ Nodes:
 * repos nodes: a new *position version*: compact copies (K re-rotated, V copied) of every
   token still active there, in their own pages. Other requests keep the old version.
 
-Running requests *lock* the nodes on their path. Eviction empties a node (frees its pages)
-but keeps it in the tree, so descendants stay findable; a later request that needs an
-emptied node's KV recomputes it in its one-pass prefill.
+Running requests *lock* the nodes on their path. Eviction empties a node (frees its device
+pages) but keeps it in the tree, so descendants stay findable. A node's KV lives in up to two
+tiers: device pages (``pages``) and host pages (``host_pages``, the host tier of
+cache_manager.py, which eviction spills live KV to); a later request that needs a node with
+neither recomputes it in its one-pass prefill, one with a host copy reloads it (a copy). A
+node's KV never changes once written, so a host copy stays valid while the node lives.
 
 Drop-aware eviction. A node's KV is *dead* when every stored path below it drops all of its
 tokens, or repositions (a repos node holds its own compact copy), before reaching its leaf:
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,6 +82,7 @@ class Node:
         "parent",
         "children",
         "pages",
+        "host_pages",
         "lock",
         "last_used",
         "tok_start",
@@ -95,7 +99,8 @@ class Node:
         self.kind = kind  # "root" | "tokens" | "drop" | "repos"
         self.parent = parent
         self.children: dict[Key, list[Node]] = {}
-        self.pages: list[int] | None = None
+        self.pages: list[int] | None = None  # device pages holding its KV (None: not resident)
+        self.host_pages: list[int] | None = None  # host-tier pages holding a copy
         self.lock = 0
         self.last_used = time.monotonic()
         self.tok_start = tok_start  # absolute index of the first token (token nodes)
@@ -107,7 +112,13 @@ class Node:
 
     @property
     def evicted(self) -> bool:
+        """Holds KV but none of it is on the device (it may be on the host)."""
         return self.kind in ("tokens", "repos") and self.pages is None
+
+    @property
+    def gone(self) -> bool:
+        """Holds KV that no tier has: it must be recomputed to be read."""
+        return self.evicted and self.host_pages is None
 
     def token_ids(self) -> tuple[int, ...]:
         """Absolute indices of the tokens whose KV this node holds."""
@@ -126,7 +137,8 @@ class Node:
 
     def __repr__(self) -> str:
         body = f"{len(self.key)} tok" if self.kind == "tokens" else repr(self.key[0])
-        return f"Node#{self.id}({self.kind}, {body}, pages={self.pages}, lock={self.lock})"
+        return (f"Node#{self.id}({self.kind}, {body}, pages={self.pages}, "
+                f"host={self.host_pages}, lock={self.lock})")
 
 
 class RadixTree:
@@ -136,6 +148,9 @@ class RadixTree:
         self.root = Node((), "root", None)
         self.evictions = 0  # pages freed by eviction
         self.dead_evictions = 0  # of which dead KV
+        # Called with the live (not dead) nodes an eviction is about to empty, while their
+        # pages still hold their KV: the host tier copies what it can (cache_manager.py).
+        self.spill: Callable[[list[Node]], None] | None = None
         self.pinned: set[int] = set()  # node ids the current step reads or writes: kept
         self._shape_version = 0  # bumped by every structural change
         self._dead_cache: tuple[int, set[int]] = (-1, set())
@@ -188,6 +203,9 @@ class RadixTree:
         if node.pages is not None:
             upper.pages = node.pages[: n // self.page_size]
             node.pages = node.pages[n // self.page_size :]
+        if node.host_pages is not None:
+            upper.host_pages = node.host_pages[: n // self.page_size]
+            node.host_pages = node.host_pages[n // self.page_size :]
         siblings = node.parent.children[node.key[0]]
         siblings[siblings.index(node)] = upper
         node.key = node.key[n:]
@@ -280,24 +298,42 @@ class RadixTree:
         self._dead_cache = (self._shape_version, dead)
         return dead
 
-    def evict(self, pages_needed: int) -> int:
-        """Free at least ``pages_needed`` pages if possible; returns pages freed.
+    def evict(self, pages_needed: int, keep_used_after: float | None = None,
+              all_or_nothing: bool = False) -> int:
+        """Free at least ``pages_needed`` device pages if possible; returns pages freed.
 
         Order: dead KV first (see the module docstring; also under a lock), then unlocked
-        KV by least recent use. Nodes the current step reads or writes are never touched.
-        """
+        KV by least recent use. Nodes the current step reads or writes are never touched;
+        with ``keep_used_after``, neither is live KV used since then that would be lost (no
+        host copy and no spill hook to make one): admission's protection of trajectories
+        that are still active. ``all_or_nothing``: free nothing unless ``pages_needed``
+        can be (an allocation that would fail anyway keeps the cache)."""
         dead = self.dead()
-        cands = [
-            n
-            for n in self.nodes()
-            if n.pages and n.id not in self.pinned and (n.lock == 0 or n.id in dead)
-        ]
-        cands.sort(key=lambda n: (n.id not in dead, n.last_used))
-        freed = 0
+
+        def evictable(n: Node) -> bool:
+            if not n.pages or n.id in self.pinned:
+                return False
+            if n.id in dead:
+                return True
+            if n.lock:
+                return False
+            return (keep_used_after is None or n.last_used <= keep_used_after
+                    or n.host_pages is not None or self.spill is not None)
+
+        cands = sorted((n for n in self.nodes() if evictable(n)),
+                       key=lambda n: (n.id not in dead, n.last_used))
+        chosen, freed = [], 0
         for n in cands:
             if freed >= pages_needed:
                 break
+            chosen.append(n)
             freed += len(n.pages)
+        if all_or_nothing and freed < pages_needed:
+            return 0
+        live = [n for n in chosen if n.id not in dead and n.host_pages is None]
+        if live and self.spill is not None:
+            self.spill(live)
+        for n in chosen:
             if n.id in dead:
                 self.dead_evictions += len(n.pages)
             self.pool.free(n.pages)
@@ -305,10 +341,10 @@ class RadixTree:
         self.evictions += freed
         return freed
 
-    def alloc(self, n: int) -> list[int] | None:
-        """Allocate ``n`` pages, evicting unlocked KV when the pool is short."""
+    def alloc(self, n: int, keep_used_after: float | None = None) -> list[int] | None:
+        """Allocate ``n`` pages, evicting unlocked KV when the pool is short (see evict)."""
         if n > self.pool.free_pages:
-            self.evict(n - self.pool.free_pages)
+            self.evict(n - self.pool.free_pages, keep_used_after, all_or_nothing=True)
         return self.pool.alloc(n)
 
     def flush(self) -> None:

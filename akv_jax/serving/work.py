@@ -75,7 +75,20 @@ class RequestState:
     rng: np.random.Generator | None = None
     prefill: Pass | None = None  # the planned pass while it runs, slice by slice
     prefill_done: int = 0  # rows of it already run
+    # Preemption (engine.py): a preempted request resumes as its prompt followed by the
+    # tokens it had fed (one more segment); ``gen_base`` of its generated tokens are then
+    # part of that prompt, and ``resumed`` says its next prefill only rebuilds state.
+    gen_base: int = 0
+    resumed: bool = False
+    prompt_tokens: int = 0  # the original prompt's length (the usage reported)
+    waiting_since: float = 0.0  # when it last entered the waiting queue
+    preemptions: int = 0
 
     @property
     def rid(self) -> str:
         return self.req.rid
+
+    @property
+    def new_tokens_left(self) -> int:
+        """Tokens it may still generate, the one sampled last and not yet fed included."""
+        return self.req.sampling.max_new_tokens - self.gen_base
