@@ -347,3 +347,35 @@ def test_admission_waits_rather_than_lose_an_active_trajectorys_kv(model, window
     for rid, segs, n in (("a", [a[0]], 8), ("b", [b[0]], 40), ("c", [c[0]], 8)):
         ref_toks, ref_lps = dense_generate(dm, segs, parse_history(None, len(segs)), n)
         assert [ev.token_id for ev in got[rid] if ev.token_id >= 0] == ref_toks
+
+
+def test_sliced_pass_frees_dead_kv_once_the_rows_that_read_it_have_run(model):
+    """Segments A B C D, B dropped after C: C's rows read B, D's do not. With one segment
+    per slice, B stays pinned until C's slice has run, then (dead: nothing stored below
+    attends to it, the request's final view included) eviction may free it while D's slice
+    is still to come; the answer is still the reference's."""
+    m, dm = model
+    rng = np.random.default_rng(9)
+    segs = [rng.integers(0, 256, 16).tolist() for _ in range(4)]
+    cache = {"drop": {"2": [1]}, "reposition": []}
+    eng = Engine(m, max_total_tokens=1024, page_size=8, attention_backend="reference",
+                 prefill_chunk=16, host_kv_tokens=0)
+    _add(eng, "r", segs, cache)
+    got = []
+    b_node = None
+    for step in range(1, 5):  # slices A, B, C, D
+        got += eng.step()
+        r = eng.prefilling.get("r")
+        path = eng.cache.path_to(r.last_node) if r is not None else []
+        b_node = b_node or next(n for n in path if n.kind == "tokens" and n.tok_start == 16)
+        pinned = b_node.id in eng.cache.tree.pinned
+        # Pinned while A's, B's and C's slices run (step 1 pins all the plan uses); the
+        # step that runs D's slice pins only what D's rows read.
+        assert pinned == (step < 4), step
+        assert b_node.id in eng.cache.tree.dead()
+    assert eng.cache.tree.evict(2) >= 2 and b_node.pages is None  # dead, unpinned: freed
+    while eng.has_work():
+        got += eng.step()
+    ref_toks, ref_lps = dense_generate(dm, segs, parse_history(cache, 4), N_NEW)
+    assert [ev.token_id for ev in got if ev.rid == "r"] == ref_toks
+    np.testing.assert_allclose([ev.logprob for ev in got if ev.rid == "r"], ref_lps, atol=1e-4)

@@ -440,10 +440,17 @@ class Engine:
         return b - a
 
     def _still_read(self, r: RequestState) -> list:
-        """Nodes of ``r``'s path whose pages the rows of its pass not yet run read or
-        write."""
-        p, done = r.prefill, r.prefill_done
-        pages = {pg for s in p.segments if s.q_start + s.q_len > done for pg in s.pages}
+        """Nodes of ``r``'s path with a page that a row of its pass not yet run sees or
+        writes (a segment also lists the pages of dropped KV, every slot invisible: they
+        stand in for what it does not read, as the page-0 stand-ins of emptied nodes do)."""
+        p, done, ps = r.prefill, r.prefill_done, self.page_size
+        pages: set[int] = set()
+        for s in p.segments:
+            if s.q_start + s.q_len > done:
+                vis = np.zeros(len(s.pages) * ps, bool)
+                vis[: len(s.kv_visible)] = s.kv_visible
+                seen = vis.reshape(-1, ps).any(1)
+                pages.update(pg for pg, v in zip(s.pages, seen, strict=True) if v)
         return [n for n in self.cache.path_to(r.last_node)
                 if n.pages and not pages.isdisjoint(n.pages)]
 
