@@ -266,26 +266,34 @@ def test_converter_cli_writes_readable_files(tok, tmp_path, capsys):
 # --------------------------------------------------------------------------- pipeline
 
 
-def first_fit(lengths, max_tokens):
-    """Stand-in grouping for the pipeline tests (the core packer's is tested with it)."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i, n in enumerate(lengths):
-        for b, r in enumerate(room):
-            if n <= r:
-                bins[b].append(i)
-                room[b] -= n
-                break
-        else:
-            bins.append([i])
-            room.append(max_tokens - n)
-    return bins
+class ConcatPacker:
+    """Stand-in packer for the pipeline mechanics (the core's packer is tested below): first
+    fit by token count into ``max_tokens``; a pack is the concatenated tokens plus which
+    trajectory owns each row."""
 
+    def __init__(self, max_tokens):
+        self.max_tokens = max_tokens
 
-def concat_pack(max_tokens):
-    def pack(trajs):
-        toks = np.zeros(max_tokens, np.int32)
-        owner = np.full(max_tokens, -1, np.int32)
+    def over(self, traj):
+        n = traj.num_tokens
+        return f"max_tokens: {n} > {self.max_tokens}" if n > self.max_tokens else None
+
+    def group(self, trajs):
+        bins, room = [], []
+        for i, t in enumerate(trajs):
+            for b, r in enumerate(room):
+                if t.num_tokens <= r:
+                    bins[b].append(i)
+                    room[b] -= t.num_tokens
+                    break
+            else:
+                bins.append([i])
+                room.append(self.max_tokens - t.num_tokens)
+        return bins
+
+    def pack(self, trajs):
+        toks = np.zeros(self.max_tokens, np.int32)
+        owner = np.full(self.max_tokens, -1, np.int32)
         at = 0
         for k, t in enumerate(trajs):
             flat = [x for s in t.segments for x in s]
@@ -294,7 +302,8 @@ def concat_pack(max_tokens):
             at += len(flat)
         return {"tokens": toks, "owner": owner}
 
-    return pack
+    def batch(self, examples):
+        return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
 
 def records_file(tmp_path, n=23):
@@ -318,11 +327,10 @@ def records_file(tmp_path, n=23):
 
 
 def pipeline(path, tok, **kw):
-    args = dict(
-        max_tokens=48, batch_size=2, seed=7, window=5, group=first_fit, pack=concat_pack(48)
-    )
+    args = dict(batch_size=2, seed=7, window=5)
     args.update(kw)
-    return data.train_batches(path, tokenise(tok), **args)
+    packer = ConcatPacker(args.pop("max_tokens", 48))
+    return data.train_batches(path, tokenise(tok), packer, **args)
 
 
 def record_ids(batch):
@@ -388,10 +396,8 @@ def test_resumed_iterator_yields_the_same_batches(tok, tmp_path, stop_after):
 
 def test_a_record_longer_than_an_example_is_refused(tok, tmp_path):
     path, lens = records_file(tmp_path, 3)
-    it = iter(pipeline(path, tok, max_tokens=5, pack=concat_pack(5)))
+    it = iter(pipeline(path, tok, max_tokens=5))
     with pytest.raises(
-        DataError,
-        match=r"d.jsonl:\d: messages: \d+ tokens do not fit an "
-        r"example of max_tokens=5",
+        DataError, match=r"d.jsonl:\d: messages: too large for one example \(max_tokens: \d+ > 5\)"
     ):
         next(it)

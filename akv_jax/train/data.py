@@ -4,10 +4,11 @@
       -> shuffle (seeded; a new order every epoch) -> repeat
       -> shard: this data-parallel process takes every ``shard_count``-th record
       -> tokenise (:class:`~akv_jax.train.sources.Tokenise`)
-      -> pack: windows of ``window`` trajectories grouped first-fit into examples of at most
-         ``max_tokens`` tokens (the packer's own grouping), each group packed into one
-         fixed-size example with no attention across trajectories (``akv_jax.train.pack``)
-      -> batch (``batch_size`` examples stacked)
+      -> pack: windows of ``window`` trajectories grouped into examples by the packer
+         (the core's first fit within a pack's budgets: tokens, segments, pages), each group
+         packed into one fixed-size example with no attention across trajectories
+         (:class:`CorePacker`: :mod:`akv_jax.train.pack`)
+      -> batch (``batch_size`` examples stacked by the packer)
 
 Everything before packing is a ``grain.MapDataset`` (random access: record i of epoch e is a
 pure function of the seed), so the iterator's state is a few integers. The packing step is
@@ -21,19 +22,57 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grain
 
 from akv_jax.train.example import TrainTrajectory
 from akv_jax.train.sources import DataError, JsonlSource, Tokenise
 
-# groups(lengths, max_tokens) -> lists of indices into lengths, each list one example
-GroupFn = Callable[[Sequence[int], int], list[list[int]]]
-# pack(trajectories) -> one fixed-size example (a pytree of numpy arrays)
-PackFn = Callable[[Sequence[TrainTrajectory]], Any]
+
+class Packer(Protocol):
+    """How trajectories become fixed-size examples (the core's: :class:`CorePacker`)."""
+
+    def over(self, traj: TrainTrajectory) -> str | None:
+        """Why ``traj`` fits no example on its own (None if it fits)."""
+
+    def group(self, trajs: Sequence[TrainTrajectory]) -> list[list[int]]:
+        """Indices of ``trajs`` per example, each index once (deterministic)."""
+
+    def pack(self, trajs: Sequence[TrainTrajectory]) -> Any:
+        """One example holding ``trajs``, with no attention across them."""
+
+    def batch(self, examples: Sequence[Any]) -> Any:
+        """Examples stacked along a new leading axis."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CorePacker:
+    """:mod:`akv_jax.train.pack` at one :class:`~akv_jax.train.pack.PackShape`."""
+
+    shape: Any  # PackShape
+
+    def over(self, traj: TrainTrajectory) -> str | None:
+        from akv_jax.train import pack
+
+        return pack.usage(traj, self.shape.page_size).over(self.shape)
+
+    def group(self, trajs: Sequence[TrainTrajectory]) -> list[list[int]]:
+        from akv_jax.train import pack
+
+        return pack.first_fit(trajs, self.shape)
+
+    def pack(self, trajs: Sequence[TrainTrajectory]) -> Any:
+        from akv_jax.train import pack
+
+        return pack.pack(trajs, self.shape)
+
+    def batch(self, examples: Sequence[Any]) -> Any:
+        from akv_jax.train import pack
+
+        return pack.stack(examples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +81,13 @@ class LoadRecord:
 
     tokenise: Tokenise
     where: str
-    max_tokens: int
+    packer: Packer
 
     def __call__(self, item: tuple[int, str]) -> TrainTrajectory:
         traj = self.tokenise(item, self.where)
-        if traj.num_tokens > self.max_tokens:
+        if (why := self.packer.over(traj)) is not None:
             raise DataError(
-                f"{self.where}:{item[0]}",
-                "messages",
-                f"{traj.num_tokens} tokens do not fit an example of max_tokens={self.max_tokens}",
+                f"{self.where}:{item[0]}", "messages", f"too large for one example ({why})"
             )
         return traj
 
@@ -58,7 +95,7 @@ class LoadRecord:
 def trajectory_dataset(
     path: str | Path,
     tokenise: Tokenise,
-    max_tokens: int,
+    packer: Packer,
     *,
     seed: int = 0,
     shuffle: bool = True,
@@ -78,19 +115,17 @@ def trajectory_dataset(
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)
     ds = ds[shard_index::shard_count]
-    return ds.map(LoadRecord(tokenise, str(src.path), max_tokens))
+    return ds.map(LoadRecord(tokenise, str(src.path), packer))
 
 
 class PackIterDataset(grain.IterDataset):
     """Trajectories -> packed examples, first-fit within windows of ``window`` trajectories."""
 
-    def __init__(
-        self, parent: grain.IterDataset, window: int, max_tokens: int, group: GroupFn, pack: PackFn
-    ):
+    def __init__(self, parent: grain.IterDataset, window: int, packer: Packer):
         super().__init__(parent)
         if window < 1:
             raise ValueError("window must be >= 1")
-        self.window, self.max_tokens, self.group, self.pack = window, max_tokens, group, pack
+        self.window, self.packer = window, packer
 
     def __iter__(self) -> _PackIterator:
         return _PackIterator(self._parent.__iter__(), self)
@@ -114,7 +149,7 @@ class _PackIterator(grain.DatasetIterator):
                 break
         if not items:
             raise StopIteration
-        groups = self._spec.group([t.num_tokens for t in items], self._spec.max_tokens)
+        groups = self._spec.packer.group(items)
         if sorted(i for g in groups for i in g) != list(range(len(items))):
             raise RuntimeError("the packer's grouping must use every trajectory once")
         self._groups = [[items[i] for i in g] for g in groups]
@@ -125,7 +160,7 @@ class _PackIterator(grain.DatasetIterator):
             self._fill()
         group = self._groups[self._done]
         self._done += 1
-        return self._spec.pack(group)
+        return self._spec.packer.pack(group)
 
     def get_state(self) -> dict[str, Any]:
         return {"window_start": copy.deepcopy(self._start), "packs_done": self._done}
@@ -139,60 +174,40 @@ class _PackIterator(grain.DatasetIterator):
             self._done = done
 
 
-def default_packer(max_tokens: int, **pack_kwargs: Any) -> tuple[GroupFn, PackFn]:
-    """The core packer's first-fit grouping and fixed-size pack at ``max_tokens``."""
-    from akv_jax.train import pack as core
-
-    def pack(trajs: Sequence[TrainTrajectory]) -> Any:
-        return core.pack(trajs, max_tokens=max_tokens, **pack_kwargs)
-
-    return core.first_fit, pack
-
-
 def packed_batches(
     trajectories: grain.MapDataset,
+    packer: Packer,
     *,
-    max_tokens: int,
     batch_size: int,
     window: int = 64,
-    group: GroupFn | None = None,
-    pack: PackFn | None = None,
     drop_remainder: bool = True,
 ) -> grain.IterDataset:
-    """``trajectories`` packed into examples of ``max_tokens`` and stacked ``batch_size`` at a
-    time (``group``/``pack`` default to :func:`default_packer`)."""
-    if group is None or pack is None:
-        dg, dp = default_packer(max_tokens)
-        group, pack = group or dg, pack or dp
-    packs = PackIterDataset(trajectories.to_iter_dataset(), window, max_tokens, group, pack)
-    return packs.batch(batch_size, drop_remainder=drop_remainder)
+    """``trajectories`` packed by ``packer`` and stacked ``batch_size`` examples at a time."""
+    packs = PackIterDataset(trajectories.to_iter_dataset(), window, packer)
+    return packs.batch(batch_size, drop_remainder=drop_remainder, batch_fn=packer.batch)
 
 
 def train_batches(
     path: str | Path,
     tokenise: Tokenise,
+    packer: Packer,
     *,
-    max_tokens: int,
     batch_size: int,
     seed: int = 0,
     window: int = 64,
     shard_index: int = 0,
     shard_count: int = 1,
     num_epochs: int | None = None,
-    group: GroupFn | None = None,
-    pack: PackFn | None = None,
 ) -> grain.IterDataset:
     """The whole training pipeline over ``path``; ``iter()`` of it is the checkpointable
     iterator (``get_state`` / ``set_state``)."""
     ds = trajectory_dataset(
         path,
         tokenise,
-        max_tokens,
+        packer,
         seed=seed,
         num_epochs=num_epochs,
         shard_index=shard_index,
         shard_count=shard_count,
     )
-    return packed_batches(
-        ds, max_tokens=max_tokens, batch_size=batch_size, window=window, group=group, pack=pack
-    )
+    return packed_batches(ds, packer, batch_size=batch_size, window=window)
