@@ -103,21 +103,22 @@ class Trainer:
             )
             mgr.wait_until_finished()
 
-    def restore(self, path: Path, iterator: Any) -> int:
-        """Restore the latest checkpoint into this trainer and ``iterator``; its step."""
+    def restore(self, path: Path, iterator: Any = None) -> int:
+        """Restore the latest checkpoint into this trainer and ``iterator`` (None: the model
+        and optimiser only); returns its step."""
         import grain
 
         with self._manager(path) as mgr:
             step = mgr.latest_step()
             target = {"params": self.params, "opt": self.opt_state}
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-            got = mgr.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract),
-                    data=grain.checkpoint.CheckpointRestore(iterator),
-                ),
-            )
+            items = {
+                "state": ocp.args.StandardRestore(
+                    jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+                )
+            }
+            if iterator is not None:
+                items["data"] = grain.checkpoint.CheckpointRestore(iterator)
+            got = mgr.restore(step, args=ocp.args.Composite(**items))
         self.params, self.opt_state = got.state["params"], got.state["opt"]
         return int(step)
 
