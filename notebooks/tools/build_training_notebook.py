@@ -36,10 +36,10 @@ from converters.loading import load_model
 
 # "default" is the embedded SmolLM2-135M-Instruct; the tests run "tiny" with a few steps.
 MODEL = "default"
-STEPS = 300
-TRAIN, EVAL, TURNS, LINES = 256, 16, 4, 5
-RUN_ARGS = ["--lora-rank", "8", "--lr", "2e-3", "--batch", "1", "--max-tokens", "320",
-            "--eval-every", "50"]
+STEPS = 40
+TRAIN, EVAL, TURNS, LINES = 64, 8, 3, 4
+RUN_ARGS = ["--lr", "1e-4", "--batch", "1", "--max-tokens", "256", "--max-segments", "16",
+            "--max-trajectories", "1", "--max-versions", "8", "--eval-every", "10"]
 FIGURE = "docs/training_under_ops.png"  # where the README's copy is written"""),
     md("""## Data: synthetic agent conversations under AKV's rolling drop
 Each conversation: a system prompt, the user's request (one setting across a project's config
