@@ -28,8 +28,8 @@ NOTEBOOK = ROOT / "notebooks" / "training_under_ops.ipynb"
 # the compiled step, shared through one compile cache) is the same in every run of the module
 SHAPE = ["--max-tokens", "448", "--max-segments", "16", "--max-trajectories", "2",
          "--max-versions", "4", "--batch", "2"]  # fmt: skip
-RUN = ["--model-path", "tiny", "--steps", "4", "--lr", "1e-2", "--save-every", "2",
-       "--no-progress", *SHAPE]  # fmt: skip
+RUN = ["--model-path", "tiny", "--steps", "4", "--lr", "3e-2", "--save-every", "2",
+       "--lora-rank", "4", "--no-progress", *SHAPE]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +79,8 @@ def test_stopped_and_resumed_run_logs_the_same_losses_and_exports_for_serving(fi
     # eval before training, 4 steps, eval at the end; training lowers both losses
     assert [e["step"] for e in log] == [0, 1, 2, 3, 4, 4]
     assert set(log[0]) == {"step", "eval_loss_ops", "eval_loss_full"}
-    assert log[-1]["eval_loss_ops"] < log[0]["eval_loss_ops"] - 0.3
-    assert log[-1]["eval_loss_full"] < log[0]["eval_loss_full"] - 0.3
+    assert log[-1]["eval_loss_ops"] < log[0]["eval_loss_ops"] - 0.1
+    assert log[-1]["eval_loss_full"] < log[0]["eval_loss_full"] - 0.1
     assert log[0]["eval_loss_ops"] != log[0]["eval_loss_full"]  # the views differ
     assert all(e["tokens"] > 700 and e["tokens_per_s"] > 0 for e in log[1:5])
 
@@ -93,7 +93,8 @@ def test_stopped_and_resumed_run_logs_the_same_losses_and_exports_for_serving(fi
     assert resumed.returncode == 0, resumed.stderr
     assert losses(cli.read_log(part / cli.LOG_NAME)) == losses(log)  # exactly
 
-    # the export loads with the server's loader and computes the trained params' logits
+    # the export (LoRA merged) loads with the server's loader and computes the logits of the
+    # trained params (adapters unmerged)
     exported = load_model(files["dir"] / "full" / cli.MODEL_DIR)
     assert exported.tokenizer is not None and exported.cfg == load_model("tiny").cfg
     trained = _checkpoint_params(files["dir"] / "full" / cli.CKPT_DIR)
@@ -102,18 +103,19 @@ def test_stopped_and_resumed_run_logs_the_same_losses_and_exports_for_serving(fi
     got, _ = restore(exported.params, exported.cfg, segs, hist, max_tokens=64)
     want, _ = restore(trained, exported.cfg, segs, hist, max_tokens=64)
     base, _ = restore(load_model("tiny").params, exported.cfg, segs, hist, max_tokens=64)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
     assert np.abs(np.asarray(got) - np.asarray(base)).max() > 1e-2  # it was trained
 
 
 def _checkpoint_params(path: Path):
-    """The params of the run's latest checkpoint, restored as a resumed run restores them."""
+    """The params of the run's latest checkpoint as training ran them: the tiny base with the
+    LoRA adapters applied unmerged."""
     from akv_jax.train.trainer import Trainer
 
     args = cli.build_parser().parse_args([*RUN, "--data", "-", "--out", "-"])
     trainer = Trainer(load_model("tiny"), args)
-    trainer.restore(path)
-    return trainer.params
+    assert trainer.restore(path) == 4
+    return trainer.params()
 
 
 @pytest.mark.parametrize(
@@ -216,7 +218,16 @@ def test_bad_record_is_reported_without_traceback(files, tmp_path):
 
 def test_training_notebook_runs_reduced(files):
     """The notebook on the tiny model with a few steps (the SmolLM2 run is slow-marked)."""
-    run_args = ["--eval-every", "2", "--lr", "1e-2", "--compile-cache-dir", str(files["xla"])]
+    run_args = [
+        "--eval-every",
+        "2",
+        "--lr",
+        "3e-2",
+        "--lora-rank",
+        "4",
+        "--compile-cache-dir",
+        str(files["xla"]),
+    ]  # the compiled step of the test above
     nb = _notebook(
         {"MODEL": '"tiny"', "STEPS": "4", "TRAIN, EVAL, TURNS, LINES": "8, 2, 2, 2"},
         run_args + SHAPE,
