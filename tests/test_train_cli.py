@@ -266,3 +266,33 @@ def _outputs(nb) -> str:
     return "".join(
         o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
     )
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_the_same_losses(files):
+    """SIGKILL part-way (wherever it lands: between steps, inside a checkpoint write), then
+    --resume: the log equals the uninterrupted run's."""
+    import signal
+    import time
+
+    ref = files["dir"] / "kill_ref"
+    assert train(files, ref, "--steps", "6").returncode == 0
+    out = files["dir"] / "killed"
+    args = [sys.executable, "-m", "akv_jax.train", *RUN, "--steps", "6", "--data",
+            str(files["train"]), "--eval-data", str(files["eval"]), "--out", str(out),
+            "--compile-cache-dir", str(files["xla"])]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    log = out / cli.LOG_NAME
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if log.exists() and sum(1 for e in cli.read_log(log) if "loss" in e) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / cli.MODEL_DIR).exists()
+    resumed = train(files, out, "--steps", "6", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(cli.read_log(log)) == losses(cli.read_log(ref / cli.LOG_NAME))

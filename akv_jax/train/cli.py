@@ -148,13 +148,17 @@ class Log:
     path: Path
 
     def restart(self, step: int) -> None:
+        """Keep the entries up to ``step`` (a killed run may have left a torn last line)."""
         if not self.path.exists():
             return
-        keep = [
-            ln
-            for ln in self.path.read_text().splitlines()
-            if ln.strip() and json.loads(ln)["step"] <= step
-        ]
+        keep = []
+        for ln in self.path.read_text().splitlines():
+            try:
+                entry = json.loads(ln)
+            except json.JSONDecodeError:
+                continue
+            if entry["step"] <= step:
+                keep.append(ln)
         self.path.write_text("".join(ln + "\n" for ln in keep))
 
     def write(self, **entry: Any) -> None:
