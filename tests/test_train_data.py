@@ -21,11 +21,13 @@ from akv_jax.train.sources import (
     Tokenise,
     chat_records,
     main,
+    read_jsonl,
     read_trajectories,
     replay_records,
     without_ops,
     write_jsonl,
 )
+from akv_jax.train.synthetic import agent_chats
 
 VOCAB = 512
 EOS = VOCAB - 1  # <|im_end|> of the tiny byte-level ChatML tokenizer
@@ -261,6 +263,15 @@ def test_converter_cli_writes_readable_files(tok, tmp_path, capsys):
     assert (
         capsys.readouterr().err.strip() == f"error: {tmp_path / 'none.jsonl'}: file: no such file"
     )
+    chats = tmp_path / "chats.jsonl"
+    write_jsonl(chats, agent_chats(0, 2, turns=3, lines=2))
+    out2 = tmp_path / "c.jsonl"
+    argv = ["chat", "--data", str(chats), "--out", str(out2), "--model-path", "tiny"]
+    assert main([*argv, "--keep-tools", "1"]) == 0
+    recs = list(read_jsonl(out2))
+    # tools are messages 3, 5, 7: each dropped at the boundary of the next one
+    assert [r["cache"] for r in recs] == [{"drop": {"5": [3], "7": [5]}, "reposition": []}] * 2
+    assert [r["messages"] for r in recs] == [c["messages"] for c in read_jsonl(chats)]
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -436,3 +447,21 @@ def test_pipeline_with_the_core_packer(tok, tmp_path):
         assert w.tokens.shape == (2, 512)
         for f in ("tokens", "targets", "weights", "q_positions", "write_slots", "page_table"):
             np.testing.assert_array_equal(getattr(w, f), getattr(g, f))
+
+
+def test_synthetic_agent_chats_are_seeded_and_answer_from_the_latest_tool_output():
+    chats = agent_chats(5, 3, turns=4, lines=3)
+    assert chats == agent_chats(5, 3, turns=4, lines=3) and chats != agent_chats(6, 3, 4, 3)
+    for chat in chats:
+        msgs = chat["messages"]
+        assert [m["role"] for m in msgs] == ["system", "user"] + ["assistant", "tool"] * 4 + [
+            "assistant"
+        ]
+        key = msgs[1]["content"].split()[4]  # "Report the value of KEY in ..."
+        for tool, answer in zip(msgs[3::2], msgs[4::2], strict=True):
+            settings = dict(line.split(" = ") for line in tool["content"].split("\n"))
+            assert len(settings) == 3
+            assert f": {key} = {settings[key]}." in answer["content"]
+        assert msgs[-1]["content"].endswith("Done.")
+    with pytest.raises(ValueError, match=r"turns must be in \[1, 10\], got 11"):
+        agent_chats(0, 1, turns=11)
