@@ -60,9 +60,10 @@ def model_params(trainable: Any, frozen: Params | None) -> Params:
 
 def init_state(trainable: Any, optim: OptimConfig, frozen: Params | None = None) -> TrainState:
     """A step-0 state (optimiser state built where ``trainable`` lives: on a mesh, it
-    follows the params' shardings)."""
-    tx = make_optimizer(optim)
-    opt_state = jax.jit(tx.init)(trainable)
+    follows the params' shardings). ``trainable`` is copied: the step donates its state, and
+    the caller's arrays must survive that."""
+    trainable = jax.tree.map(jnp.copy, trainable)
+    opt_state = jax.jit(make_optimizer(optim).init)(trainable)
     return TrainState(jnp.zeros((), jnp.int32), trainable, opt_state, frozen)
 
 
@@ -106,9 +107,9 @@ def make_train_step(
     tx = make_optimizer(optim)
     lr_of = schedule(optim)
 
-    def step(state: TrainState, batch: PackedExample):
+    def step(state: TrainState, frozen: Params | None, batch: PackedExample):
         def objective(trainable):
-            params = model_params(trainable, state.frozen)
+            params = model_params(trainable, frozen)
             total, count = loss_sums(params, cfg, batch, shape)
             return total / jnp.maximum(count, 1e-9), count
 
@@ -119,9 +120,16 @@ def make_train_step(
             "loss": loss,
             "tokens": count,
             "rows": (batch.row_trajectory >= 0).sum(),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": lr_of(state.step // optim.accum_steps),
         }
-        return TrainState(state.step + 1, trainable, opt_state, state.frozen), metrics
+        return TrainState(state.step + 1, trainable, opt_state), metrics
 
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
+    # The frozen base is a separate, never donated argument: it outlives every step.
+    jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+
+    def train_step(state: TrainState, batch: PackedExample):
+        new, metrics = jitted(dataclasses.replace(state, frozen=None), state.frozen, batch)
+        return dataclasses.replace(new, frozen=state.frozen), metrics
+
+    return train_step
