@@ -132,8 +132,7 @@ def _checkpoint_params(path: Path):
         ),
         (
             ["--max-tokens", "64"],
-            "--data: record 1 is too large for one example (max_tokens: 400 > 64); raise the "
-            "--max-* budgets",
+            "{data}:1: messages: too large for one example (max_tokens: 400 > 64)",
         ),
         (
             ["--model-path", "nope"],
@@ -161,7 +160,7 @@ def test_bad_input_is_one_line_and_exit_status_2(files, tmp_path, capsys, argv, 
         code = e.code
     assert code == 2
     err = capsys.readouterr().err
-    assert err == f"python -m akv_jax.train: error: {error.format(out=out)}\n"
+    assert err == f"python -m akv_jax.train: error: {error.format(out=out, data=files['train'])}\n"
 
 
 def test_bad_record_is_reported_without_traceback(files, tmp_path):

@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
     from akv_jax.serving.main import enable_compile_cache
     from akv_jax.train import data as pipeline
-    from akv_jax.train.sources import Tokenise, read_trajectories, without_ops
+    from akv_jax.train.sources import Tokenise, without_ops
     from akv_jax.train.trainer import Trainer
     from converters.loading import load_model
 
@@ -227,21 +227,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--loss-roles: {e}") from None
     trainer = Trainer(model, args)
     # Validate every record before the first step: a bad line fails now, not hours in.
-    train_trajs = read_trajectories(args.data, tokenise)
-    for traj_i, t in enumerate(train_trajs):
-        if (why := trainer.packer.over(t)) is not None:
-            raise UsageError(
-                f"--data: record {traj_i + 1} is too large for one example "
-                f"({why}); raise the --max-* budgets"
-            )
-    evals = []
-    if args.eval_data:
-        evals = read_trajectories(args.eval_data, tokenise)
-        for traj_i, t in enumerate(evals):
-            if (why := trainer.packer.over(t)) is not None:
-                raise UsageError(
-                    f"--eval-data: record {traj_i + 1} is too large for one example ({why})"
-                )
+    pipeline.read_all(args.data, tokenise, trainer.packer)
+    evals = pipeline.read_all(args.eval_data, tokenise, trainer.packer) if args.eval_data else []
     eval_views = {"ops": evals, "full": [without_ops(t) for t in evals]}
 
     batches = pipeline.train_batches(

@@ -92,6 +92,14 @@ class LoadRecord:
         return traj
 
 
+def read_all(path: str | Path, tokenise: Tokenise, packer: Packer) -> list[TrainTrajectory]:
+    """Every record of ``path``, in order, checked as the pipeline checks them (to validate a
+    file up front, or to hold a small evaluation set)."""
+    src = JsonlSource(path)
+    load = LoadRecord(tokenise, str(src.path), packer)
+    return [load(src[i]) for i in range(len(src))]
+
+
 def trajectory_dataset(
     path: str | Path,
     tokenise: Tokenise,
