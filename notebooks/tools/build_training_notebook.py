@@ -87,9 +87,11 @@ assert after["eval_loss_ops"] < before["eval_loss_ops"]"""),
 steps = [e["step"] for e in evals]
 ax.plot(steps, [e["eval_loss_ops"] for e in evals], "o-", label="with ops (drop + repos)")
 ax.plot(steps, [e["eval_loss_full"] for e in evals], "s--", label="full context (no ops)")
+ax.plot([e["step"] for e in train], [e["loss"] for e in train], ":", color="gray",
+        label="training loss (with ops)")
 ax.set_xlabel("training step (trained under the ops)")
-ax.set_ylabel("held-out loss (nats / target token)")
-ax.set_title(f"{MODEL}: before and after training under cache engineering")
+ax.set_ylabel("loss (nats / target token)")
+ax.set_title(f"{MODEL}: before and after training under cache engineering", fontsize=9)
 ax.legend()
 fig.tight_layout()
 if MODEL == "default":
