@@ -81,9 +81,14 @@ def shard_state(state: TrainState, cfg: ModelConfig, optim: OptimConfig, mesh: M
     trainable = place(state.trainable)
     frozen = None if state.frozen is None else place(state.frozen)
     layout = jax.jit(make_optimizer(optim).init)(trainable)
-    opt_state = jax.tree.map(
-        lambda x, ref: jax.device_put(x, ref.sharding), state.opt_state, layout
-    )
+
+    def place_like(x, ref):
+        # moments come out with their tensors' NamedShardings; the counters (made from
+        # nothing inside the init) land on one device: replicate those
+        sh = ref.sharding if isinstance(ref.sharding, NamedSharding) else replicated
+        return jax.device_put(x, sh)
+
+    opt_state = jax.tree.map(place_like, state.opt_state, layout)
     return TrainState(jax.device_put(state.step, replicated), trainable, opt_state, frozen)
 
 
