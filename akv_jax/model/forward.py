@@ -110,6 +110,32 @@ def _group_layer(cfg: ModelConfig, lps: LayerParams, period: int, j: int) -> Lay
     return LayerParams(**out)
 
 
+@dataclasses.dataclass(frozen=True)
+class Adapted:
+    """A projection weight with a low-rank update applied *unmerged* (LoRA, built by
+    :mod:`akv_jax.train.lora`): ``x @ base + scale * (x @ a) @ b``, never forming
+    ``base + scale * a @ b``. ``a`` [..., in..., r] and ``b`` [..., r, out...] carry the same
+    leading (layer) axes as ``base``, so the layer scan slices all three alike."""
+
+    base: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float
+
+
+jax.tree_util.register_dataclass(Adapted, data_fields=["base", "a", "b"], meta_fields=["scale"])
+
+
+def project(eq: str, x: jax.Array, w) -> jax.Array:
+    """``einsum(eq, x, w)`` for a projection weight ``w`` (contracting every non-token axis
+    of ``x``), or its :class:`Adapted` form."""
+    if not isinstance(w, Adapted):
+        return jnp.einsum(eq, x, w)
+    n_in = x.ndim - 1
+    low = jnp.tensordot(x, w.a, axes=n_in)  # [T, r]
+    return jnp.einsum(eq, x, w.base) + w.scale * jnp.tensordot(low, w.b, axes=1)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
@@ -185,9 +211,9 @@ def attention_inputs(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first half of a layer: (q rotated to ``q_positions``, k *unrotated*, v), [T, H, Dh]."""
     h = _norm(cfg, x, lp.attn_norm)
-    q = _bias(jnp.einsum("td,dhk->thk", h, lp.wq), lp.bq)
-    k = _bias(jnp.einsum("td,dhk->thk", h, lp.wk), lp.bk)
-    v = _bias(jnp.einsum("td,dhk->thk", h, lp.wv), lp.bv)
+    q = _bias(project("td,dhk->thk", h, lp.wq), lp.bq)
+    k = _bias(project("td,dhk->thk", h, lp.wk), lp.bk)
+    v = _bias(project("td,dhk->thk", h, lp.wv), lp.bv)
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
@@ -200,13 +226,13 @@ def attention_inputs(
 def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
     """The second half of a layer: output projection, residual, MLP (or MoE), residual. The
     layer is MoE when ``lp`` holds a router."""
-    x = x + _bias(jnp.einsum("thk,hkd->td", attn.astype(x.dtype), lp.wo), lp.bo)
+    x = x + _bias(project("thk,hkd->td", attn.astype(x.dtype), lp.wo), lp.bo)
     h = _norm(cfg, x, lp.mlp_norm)
     if lp.router is not None:
         return x + moe_mlp(cfg, lp, h)
-    gate = jnp.einsum("td,df->tf", h, lp.w_gate)
-    up = jnp.einsum("td,df->tf", h, lp.w_up)
-    return x + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, lp.w_down)
+    gate = project("td,df->tf", h, lp.w_gate)
+    up = project("td,df->tf", h, lp.w_up)
+    return x + project("tf,fd->td", jax.nn.silu(gate) * up, lp.w_down)
 
 
 def decoder_layer(
