@@ -192,9 +192,12 @@ def exact_in_any_order(make_engine: Callable[..., Engine], model, reqs: list[tup
         tiered = make_engine(max_total_tokens=tokens, page_size=page_size,
                              host_kv_tokens=host)
         name = f"pool of 1x the largest request, host tier for {label} of it"
-        phase(tiered, f"{name}, reversed", backward, False)
+        if label == "all":
+            phase(tiered, f"{name}, one arrival a step", list(rng.permutation(REPEATS * n) % n),
+                  1)
+        else:
+            phase(tiered, f"{name}, reversed", backward, False)
         phase(tiered, f"{name}, concurrent", list(rng.permutation(REPEATS * n) % n), True)
-        phase(tiered, f"{name}, one arrival a step", list(rng.permutation(REPEATS * n) % n), 1)
         tier = tiered.stats()
         stats.update({f"{k}[{label}]": v for k, v in tier.items()})
         assert tiered.flush_cache() and tiered.cache.pool.used_pages == 0, "pages leaked"
