@@ -18,14 +18,16 @@ sample                ``sampler.sample`` per row (host)
 other                 the rest of ``Engine.step`` (queues, events, cache bookkeeping)
 ====================  ==============================================================
 
-Prints the per-step medians (ms) of each stage per scenario. Synchronous forwards remove the
-overlap the real server gets from asynchronous dispatch, which is the point: each stage is
-seen alone.
+Prints the per-step medians (ms) of each stage per scenario, and of the process's CPU time
+per step (all threads; on a shared machine the wall times carry other processes' load).
+Synchronous forwards remove the overlap the real server gets from asynchronous dispatch,
+which is the point: each stage is seen alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -127,6 +129,12 @@ class _Proxy:
         return getattr(self._mod, name)
 
 
+def _cpu() -> float:
+    """CPU seconds of this process, all threads: robust to other processes' load."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def run_scenario(eng: Engine, t: Timers, prompts: list[list[int]], new: int) -> list[dict]:
     eng.flush_cache()
     sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
@@ -135,9 +143,10 @@ def run_scenario(eng: Engine, t: Timers, prompts: list[list[int]], new: int) -> 
     rows = []
     while eng.has_work():
         t.step.clear()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         eng.step()
         total = time.perf_counter() - t0
+        cpu = _cpu() - c0
         s = dict(t.step)
         row = {
             "plan": s.get("plan", 0.0),
@@ -149,14 +158,18 @@ def run_scenario(eng: Engine, t: Timers, prompts: list[list[int]], new: int) -> 
         }
         row["other"] = total - sum(row.values())
         row["total"] = total
+        row["cpu"] = cpu
         rows.append(row)
     return rows
 
 
 def report(name: str, rows: list[dict]) -> None:
-    med = {k: statistics.median(r[k] for r in rows) * 1e3 for k in (*STAGES, "total")}
+    med = {k: statistics.median(r[k] for r in rows) * 1e3 for k in (*STAGES, "total", "cpu")}
     parts = ", ".join(f"{k} {med[k]:.2f}" for k in STAGES)
-    print(f"{name:22s} steps {len(rows):3d}  total {med['total']:8.2f} ms: {parts}")
+    print(
+        f"{name:22s} steps {len(rows):3d}  total {med['total']:8.2f} ms "
+        f"(process CPU {med['cpu']:.2f} ms): {parts}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
