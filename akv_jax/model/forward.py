@@ -269,6 +269,18 @@ def decoder_layer(
     return layer_output(cfg, lp, x, attn), k_all, v_all
 
 
+def split_layers(cfg: ModelConfig, layers: LayerParams) -> list[LayerParams]:
+    """Every layer's params as arrays of their own (a copy), for :func:`forward`'s
+    ``layer_list``. Called outside jit."""
+    period = layer_period(cfg)
+    grouped = _grouped_layers(cfg, layers, period)
+    return [
+        _group_layer(cfg, jax.tree.map(lambda a, g=g: a[g], grouped), period, j)
+        for g in range(cfg.num_layers // period)
+        for j in range(period)
+    ]
+
+
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -280,6 +292,7 @@ def forward(
     rope: RopeTable,
     attention: Attention,
     logits_rows: jax.Array | None = None,
+    layer_list: list[LayerParams] | None = None,
 ) -> tuple[jax.Array, KVPool]:
     """Run the decoder on ``tokens`` [T] and return (float32 logits, updated pool).
 
@@ -287,6 +300,12 @@ def forward(
     :func:`make_model_attention`). ``logits_rows`` [N] selects which rows get logits (all
     rows when None); prefill only needs the last row of each request, which saves the
     vocabulary matmul elsewhere.
+
+    ``layer_list`` (:func:`split_layers` of ``params.layers``): run the layers unrolled over
+    these per-layer arrays instead of a scan over the stacks. On the CPU a scan step slices
+    its layer's weights out of the stacks with a copy (XLA:CPU does not fuse a
+    dynamic-slice into a dot), so a small-batch decode, which only streams the weights,
+    reads them three times over; unrolled over arrays of their own it reads them once.
     """
     x = params.embed[tokens]
     period = layer_period(cfg)
@@ -294,6 +313,15 @@ def forward(
 
     def run(lp, idx, fn: Callable, carry):
         return decoder_layer(cfg, lp, *carry, idx, q_positions, writes, batch, rope, fn)
+
+    if layer_list is not None:
+        carry = (x, kv.k, kv.v)
+        for i, lp in enumerate(layer_list):
+            carry = run(lp, i, fns[i % period], carry)
+        x, k_all, v_all = carry
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return lm_logits(params, cfg, x), KVPool(k=k_all, v=v_all)
 
     if period == 1:
 

@@ -87,7 +87,11 @@ def segment_attention_chunked(
             s = jnp.einsum("qhgd,khd->hgqk", qb, k)
             s = jnp.where(mask[None, None], s, NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=-1))
-            p = jnp.where(mask[None, None], jnp.exp(s - m_new[..., None]), 0.0)
+            # No second select over the [heads, rows, keys] scores (on the CPU the two
+            # selects cost as much as both matmuls): a masked score is NEG_INF, so its
+            # exp is exactly 0 once the row maximum is floored at NEG_INF / 10 (a row with
+            # nothing visible yet); a row with a visible score keeps its own maximum.
+            p = jnp.exp(s - jnp.maximum(m_new, NEG_INF / 10)[..., None])
             corr = jnp.exp(m - m_new)
             denom = denom * corr + p.sum(axis=-1)
             acc = acc * corr[..., None] + jnp.einsum("hgqk,khd->hgqd", p, v)
