@@ -4,4 +4,5 @@ import sys
 
 from akv_jax.train.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (tools, tests) runs nothing
+    sys.exit(main())
