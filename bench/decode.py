@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+from torch_client import DEFAULT_TORCH_PYTHON, TorchWorker
 
 from akv_jax.cache.ops import parse_history
 from akv_jax.model.causal import greedy_generate
@@ -55,37 +55,6 @@ from akv_jax.serving.types import GenerateRequest, SamplingParams
 from converters.loading import load_model
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_TORCH_PYTHON = "/tmp/venvs/hf311/bin/python"
-
-
-class TorchWorker:
-    """transformers in a torch Python, driven one JSON line at a time."""
-
-    def __init__(self, python: str, threads: int):
-        self.proc = subprocess.Popen(
-            [python, str(HERE / "torch_decode_worker.py"), str(threads)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the transformers worker exited (is torch installed there?)")
-        return json.loads(line)
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
 
 class EngineDecoder:
     """The serving engine, driven the way tests/exactness.py drives it, with step timings."""
@@ -169,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.model != "default":
         print("transformers runs only on the default model: akv_jax side only", file=sys.stderr)
     elif args.torch_python and Path(args.torch_python).exists():
-        workers = {n: TorchWorker(args.torch_python, n) for n in args.torch_threads}
+        workers = {
+            n: TorchWorker(args.torch_python, "torch_decode_worker.py", n)
+            for n in args.torch_threads
+        }
     else:
         print(f"no torch Python at {args.torch_python!r}: akv_jax side only", file=sys.stderr)
     rng = np.random.default_rng(args.seed)
@@ -199,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 check = float((np.asarray(r["tokens"][0]) == np.asarray(ref)).mean())
             for n, w in workers.items():
-                t = w.run(prompts, args.new_tokens)
+                t = w.call(prompts=prompts, new_tokens=args.new_tokens)
                 runs[f"transformers_{n}t"].append(b * args.new_tokens / t["decode_s"])
                 cpu[f"transformers_{n}t"].append(b * args.new_tokens / t["decode_cpu_s"])
                 ours = np.asarray([row[1:] for row in r["tokens"]])

@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+from torch_client import DEFAULT_TORCH_PYTHON, TorchWorker
 
 from akv_jax.cache.ops import OpHistory, parse_history
 from akv_jax.train.example import TrainTrajectory
@@ -50,38 +50,7 @@ from akv_jax.train.step import init_state, make_train_step
 from converters.loading import load_model
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_TORCH_PYTHON = "/tmp/venvs/hf311/bin/python"
 LOSS_ATOL = 2e-3  # float32, two frameworks, a few AdamW steps
-
-
-class TorchWorker:
-    """transformers training in a torch Python, driven one JSON line at a time."""
-
-    def __init__(self, python: str, threads: int):
-        self.proc = subprocess.Popen(
-            [python, str(HERE / "torch_train_worker.py"), str(threads)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the transformers worker exited (is torch installed there?)")
-        return json.loads(line)
-
-    def run(self, ids: list[list[int]], steps: int, lr: float) -> dict:
-        self.proc.stdin.write(json.dumps({"input_ids": ids, "steps": steps, "lr": lr}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
 
 def trajectories(ids: np.ndarray, with_ops: bool) -> list[TrainTrajectory]:
     """One trajectory per row: plain causal, or 4 segments with a drop and a reposition."""
@@ -168,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.model != "default":
         print("transformers runs only on the default model: akv_jax side only", file=sys.stderr)
     elif args.torch_python and Path(args.torch_python).exists():
-        workers = {n: TorchWorker(args.torch_python, n) for n in args.torch_threads}
+        workers = {
+            n: TorchWorker(args.torch_python, "torch_train_worker.py", n)
+            for n in args.torch_threads
+        }
     else:
         print(f"no torch Python at {args.torch_python!r}: akv_jax side only", file=sys.stderr)
     vocab = model.cfg.vocab_size
@@ -184,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             times[name] += r["step_s"][1:] if rep == 0 else r["step_s"]  # step 1 compiles
             losses.setdefault(name, r["losses"])
         for n, w in workers.items():
-            r = w.run(ids.tolist(), args.steps, args.lr)
+            r = w.call(input_ids=ids.tolist(), steps=args.steps, lr=args.lr)
             times[f"transformers_{n}t"] += r["step_s"]
             losses.setdefault(f"transformers_{n}t", r["losses"])
         line = ", ".join(f"{k} {tokens / _median(v):.1f}" for k, v in times.items())
