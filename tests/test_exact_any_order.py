@@ -62,10 +62,13 @@ def test_exact_in_any_order(setup, backend, chunk, count):
     def make_engine(**kw):
         return Engine(model, attention_backend=backend, prefill_chunk=chunk, **kw)
 
-    stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7)
+    host_tier = backend == "reference"  # the tier moves bytes: one backend covers it
+    stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7, host_tier=host_tier)
     # The small pool really evicted and restored, dead KV first.
     assert stats["evictions"] > 0 and stats["dead_evictions"] > 0
     assert stats["restores"] > 0
+    if not host_tier:
+        return
     # With a host tier: live KV spilled and reloaded (preemption: test_engine_exact); the
     # small tier also evicted host copies, so restores recomputed what it had lost.
     assert stats["offloaded_pages[all]"] > 0 and stats["reloaded_pages[all]"] > 0
