@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
-from torch_client import DEFAULT_TORCH_PYTHON, TorchWorker
+from torch_client import TorchWorker, add_torch_args, median
 
 from akv_jax.cache.ops import parse_history
 from akv_jax.model.causal import greedy_generate
@@ -104,21 +103,9 @@ class EngineDecoder:
         }
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="default", help="default (SmolLM2-135M), tiny or a path")
-    ap.add_argument("--torch-python", default=DEFAULT_TORCH_PYTHON)
-    ap.add_argument(
-        "--torch-threads",
-        type=int,
-        nargs="+",
-        default=sorted({1, os.cpu_count() or 1}),
-        help="torch thread counts to run; the ratio uses the fastest (default: 1 and all CPUs)",
-    )
+    add_torch_args(ap)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -179,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items())
             print(f"batch {b} decode tok/s: {line}", file=sys.stderr, flush=True)
         res: dict = {
-            k: {"tok_s": _median(runs[k]), "tok_per_cpu_s": _median(cpu[k]), "runs": runs[k]}
+            k: {"tok_s": median(runs[k]), "tok_per_cpu_s": median(cpu[k]), "runs": runs[k]}
             for k in names
         }
-        res["akv_jax"]["prefill_s"] = _median(prefill)
+        res["akv_jax"]["prefill_s"] = median(prefill)
         res["akv_jax_tok_s"] = res["akv_jax"]["tok_s"]
         res["vs_batch1"] = res["akv_jax_tok_s"] / results["1"]["akv_jax_tok_s"] if results else 1.0
         if workers:

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -39,3 +42,21 @@ class TorchWorker:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+def add_torch_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every torch comparison takes: which model, which torch Python, how many
+    torch threads."""
+    ap.add_argument("--model", default="default", help="default (SmolLM2-135M), tiny or a path")
+    ap.add_argument("--torch-python", default=DEFAULT_TORCH_PYTHON)
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        nargs="+",
+        default=sorted({1, os.cpu_count() or 1}),
+        help="torch thread counts to run; the ratio uses the fastest (default: 1 and all CPUs)",
+    )
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
-from torch_client import DEFAULT_TORCH_PYTHON, TorchWorker
+from torch_client import TorchWorker, add_torch_args, median
 
 from akv_jax.cache.ops import OpHistory, parse_history
 from akv_jax.train.example import TrainTrajectory
@@ -93,21 +92,9 @@ class JaxTrainer:
         return {"step_s": step_s, "losses": losses}
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="default", help="default (SmolLM2-135M), tiny or a path")
-    ap.add_argument("--torch-python", default=DEFAULT_TORCH_PYTHON)
-    ap.add_argument(
-        "--torch-threads",
-        type=int,
-        nargs="+",
-        default=sorted({1, os.cpu_count() or 1}),
-        help="torch thread counts to run; the ratio uses the fastest (default: 1 and all CPUs)",
-    )
+    add_torch_args(ap)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5, help="steps per repeat")
@@ -159,13 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             r = w.call(input_ids=ids.tolist(), steps=args.steps, lr=args.lr)
             times[f"transformers_{n}t"] += r["step_s"]
             losses.setdefault(f"transformers_{n}t", r["losses"])
-        line = ", ".join(f"{k} {tokens / _median(v):.1f}" for k, v in times.items())
+        line = ", ".join(f"{k} {tokens / median(v):.1f}" for k, v in times.items())
         print(f"repeat {rep}: training tok/s {line}", file=sys.stderr, flush=True)
 
     results = {
         k: {
-            "tok_s": tokens / _median(times[k]),
-            "step_s_median": _median(times[k]),
+            "tok_s": tokens / median(times[k]),
+            "step_s_median": median(times[k]),
             "step_s": times[k],
             "losses": losses[k],
         }
