@@ -100,3 +100,41 @@ def test_batch_must_split_over_data():
     mesh = make_mesh(2, jax.devices()[:4])
     with pytest.raises(ValueError, match="batch of 3 packs does not split over data=2"):
         shard_batch(batch_of(np.random.default_rng(1), 3), mesh)
+
+
+def test_cli_trains_on_a_dp_tp_mesh_with_the_single_device_losses(tmp_path, capsys):
+    """``python -m akv_jax.train --dp 2 --tp 2``: the log's losses are the one-device run's,
+    and a mesh the process cannot hold or a batch that does not split is one line, exit 2."""
+    from akv_jax.train import cli
+    from akv_jax.train.sources import chat_records, write_jsonl
+    from akv_jax.train.synthetic import agent_chats
+    from converters.loading import TINY_TOKENIZERS
+
+    tok = TINY_TOKENIZERS["tiny"](512)
+    recs = list(chat_records(agent_chats(0, 6, turns=2, lines=2), tok, keep_tools=1,
+                             repos_threshold=300))
+    write_jsonl(tmp_path / "train.jsonl", recs[:4])
+    write_jsonl(tmp_path / "eval.jsonl", recs[4:])
+    run = ["--model-path", "tiny", "--steps", "2", "--lr", "1e-3", "--batch", "2",
+           "--max-tokens", "448", "--max-segments", "16", "--max-trajectories", "1",
+           "--max-versions", "4", "--no-progress", "--compile-cache-dir", "none",
+           "--data", str(tmp_path / "train.jsonl"),
+           "--eval-data", str(tmp_path / "eval.jsonl")]  # fmt: skip
+
+    def losses(out: str, *mesh: str) -> list[dict]:
+        assert cli.main([*run, "--out", str(tmp_path / out), *mesh]) == 0
+        log = cli.read_log(tmp_path / out / cli.LOG_NAME)
+        return [{k: v for k, v in e.items() if k != "tokens_per_s"} for e in log]
+
+    one, mesh = losses("one"), losses("mesh", "--dp", "2", "--tp", "2")
+    assert [sorted(e) for e in one] == [sorted(e) for e in mesh]
+    for a, b in zip(one, mesh, strict=True):
+        for k, v in a.items():
+            np.testing.assert_allclose(b[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+    capsys.readouterr()
+    for flags, error in ((["--dp", "2", "--tp", "8"], "needs 16 devices; this process has 8"),
+                         (["--dp", "4"], "--batch 2 does not split over --dp 4")):  # fmt: skip
+        assert cli.main([*run, "--out", str(tmp_path / "bad"), *flags]) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert error in err and len(err.strip().splitlines()) == 1, err

@@ -30,7 +30,6 @@ layers, unrolled.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -308,46 +307,88 @@ def forward(
     reads them three times over; unrolled over arrays of their own it reads them once.
     """
     x = params.embed[tokens]
-    period = layer_period(cfg)
-    fns = [attention_for(attention, cfg.layer_type(j)) for j in range(period)]
 
-    def run(lp, idx, fn: Callable, carry):
+    def run(lp, idx, fn: AttentionFn, carry):
         return decoder_layer(cfg, lp, *carry, idx, q_positions, writes, batch, rope, fn)
 
     if layer_list is not None:
+        fns = _layer_attention(cfg, attention)
         carry = (x, kv.k, kv.v)
         for i, lp in enumerate(layer_list):
-            carry = run(lp, i, fns[i % period], carry)
+            carry = run(lp, i, fns[i % len(fns)], carry)
         x, k_all, v_all = carry
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return lm_logits(params, cfg, x), KVPool(k=k_all, v=v_all)
+    else:
+        x, k_all, v_all = _scan_layers(cfg, params.layers, attention, run, (x, kv.k, kv.v))
+    if logits_rows is not None:
+        x = x[logits_rows]
+    return lm_logits(params, cfg, x), KVPool(k=k_all, v=v_all)
 
+
+def forward_uncached(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    q_positions: jax.Array,
+    num_pages: int,
+    page_size: int,
+    writes: KVWrites,
+    batch: SegmentBatch,
+    rope: RopeTable,
+    attention: Attention,
+) -> jax.Array:
+    """:func:`forward` from an empty pool whose KV is not kept (training): float32 logits
+    [T, V] of every row.
+
+    Each layer writes its keys and values into a one-layer pool of its own and attends to it.
+    The result equals :func:`forward`'s (layer l only ever reads what layer l wrote), but
+    nothing of size layers x pool is carried through the layer scan: differentiated, a
+    carried all-layer pool makes the backward save and sum a full pool-sized cotangent per
+    layer, which made a SmolLM2 training step ~35x its forward and ran out of memory.
+    """
+    dtype = params.embed.dtype
+    shape = (1, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    layer0 = jnp.zeros((), jnp.int32)
+
+    def run(lp, idx, fn: AttentionFn, x):
+        k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        x, _, _ = decoder_layer(cfg, lp, x, k, v, layer0, q_positions, writes, batch, rope, fn)
+        return x
+
+    x = _scan_layers(cfg, params.layers, attention, run, params.embed[tokens])
+    return lm_logits(params, cfg, x)
+
+
+def _layer_attention(cfg: ModelConfig, attention: Attention) -> list[AttentionFn]:
+    """The attention function of each layer of one period (see :func:`layer_period`)."""
+    return [attention_for(attention, cfg.layer_type(j)) for j in range(layer_period(cfg))]
+
+
+def _scan_layers(cfg: ModelConfig, layers: LayerParams, attention: Attention, run, carry):
+    """``carry = run(layer params, layer index, attention fn, carry)`` for every layer, as a
+    scan over the stacked layers (over groups of one period when the layer kinds alternate:
+    each layer in a group has its own static attention function (its window) and its MLP
+    weights from its kind's stack; the group body is unrolled)."""
+    fns = _layer_attention(cfg, attention)
+    period = len(fns)
     if period == 1:
 
         def body(carry, layer_in):
             lp, idx = layer_in
             return run(lp, idx, fns[0], carry), None
 
-        xs = (params.layers, jnp.arange(cfg.num_layers))
+        xs = (layers, jnp.arange(cfg.num_layers))
     else:
-        # Scan over groups of ``period`` layers; each layer in a group has its own static
-        # attention function (its window), and the group body is unrolled.
-        # A layer's MLP weights come from its kind's stack (dense or experts).
+
         def body(carry, group_in):
             lps, g = group_in
             for j in range(period):
-                lp = _group_layer(cfg, lps, period, j)
-                carry = run(lp, g * period + j, fns[j], carry)
+                carry = run(_group_layer(cfg, lps, period, j), g * period + j, fns[j], carry)
             return carry, None
 
         groups = cfg.num_layers // period
-        xs = (_grouped_layers(cfg, params.layers, period), jnp.arange(groups))
-
-    (x, k_all, v_all), _ = jax.lax.scan(body, (x, kv.k, kv.v), xs)
-    if logits_rows is not None:
-        x = x[logits_rows]
-    return lm_logits(params, cfg, x), KVPool(k=k_all, v=v_all)
+        xs = (_grouped_layers(cfg, layers, period), jnp.arange(groups))
+    carry, _ = jax.lax.scan(body, carry, xs)
+    return carry
 
 
 def lm_logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:

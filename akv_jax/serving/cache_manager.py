@@ -137,17 +137,13 @@ class CacheManager:
     def alloc_nodes(self, nodes: Sequence[Node], keep_used_after: float | None = None) -> bool:
         """Pages for every node in ``nodes``, or for none (False). ``keep_used_after``:
         evict no live KV used since then that would be lost (see RadixTree.evict)."""
-        done: list[Node] = []
-        for node in nodes:
-            pages = self.tree.alloc(self.node_pages(node), keep_used_after)
-            if pages is None:
-                for n in done:
-                    self.pool.free(n.pages)
-                    n.pages = None
-                return False
-            node.pages = pages
-            done.append(node)
-        for node in done:
+        sizes = [self.node_pages(node) for node in nodes]
+        # One eviction for the whole plan: each one sorts every node of the tree.
+        short = sum(sizes) - self.pool.free_pages
+        if short > 0 and self.tree.evict(short, keep_used_after, all_or_nothing=True) < short:
+            return False
+        for node, n in zip(nodes, sizes, strict=True):
+            node.pages = self.pool.alloc(n)
             self._log("alloc", node)
         return True
 

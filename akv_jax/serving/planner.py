@@ -26,9 +26,8 @@ class PoolTooSmall(RuntimeError):
     """A request that can never fit the KV pool as its prefix is stored."""
 
 
-def visible(tl: Timeline, toks, seg: int) -> np.ndarray:
+def visible(tl: Timeline, toks: np.ndarray, seg: int) -> np.ndarray:
     """Which of the absolute tokens ``toks`` (-1: padding) segment ``seg`` attends to."""
-    toks = np.asarray(toks, np.int64)
     ok = toks >= 0
     out = np.zeros(len(toks), bool)
     out[ok] = tl.drop_boundary[tl.token_seg[toks[ok]]] >= seg
@@ -81,7 +80,7 @@ class Planner:
             # Another request computes part of this path in this step, or in slices still to
             # run: its pages are not written yet (too late for this pass's pre-pass copies).
             return None
-        final = [v for v in final_view(path) if r.tl.final_active[list(v.token_ids())].any()]
+        final = [v for v in final_view(path) if r.tl.final_active[v.token_array()].any()]
         compute, needed = self.choose_compute(r, path, fresh, final)
         used = [n for n in path if n.id in compute or n.id in needed]
         # Needed KV that only the host tier holds is copied back, not recomputed.
@@ -160,6 +159,14 @@ class Planner:
         compute = {n.id for n in path if n.id in fresh and n.kind != "drop"}
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
         compute.add(last_tok.id)
+        # Per node, once: the last boundary before which any of its tokens is still attended
+        # (segment s sees node v iff reach[v] >= s), and its tokens; the fixpoint below then
+        # compares integers instead of rescanning every view per computed node.
+        toks = {n.id: n.token_array() for n in path if n.kind != "drop"}
+        reach = {
+            i: int(tl.drop_boundary[tl.token_seg[t]].max()) if len(t) else -1
+            for i, t in toks.items()
+        }
         while True:
             needed = {v.id for v in final}
             view: list[Node] = []
@@ -167,12 +174,13 @@ class Planner:
                 if node.kind == "tokens":
                     if node.id in compute:
                         s = int(tl.token_seg[node.tok_start])
-                        needed |= {v.id for v in view if visible(tl, v.token_ids(), s).any()}
+                        needed |= {v.id for v in view if reach[v.id] >= s}
                     view.append(node)
                 elif node.kind == "repos":
                     if node.id in compute:
-                        held = set(node.held_tokens)
-                        needed |= {v.id for v in view if held & set(v.token_ids())}
+                        held = np.zeros(tl.num_tokens, bool)
+                        held[toks[node.id]] = True
+                        needed |= {v.id for v in view if held[toks[v.id]].any()}
                     view = [node]
             extra = {n.id for n in path if n.id in needed and n.gone} - compute
             if not extra:
@@ -191,19 +199,22 @@ class Planner:
         view: list[Node] = []
         epoch = 0
         cached = 0
+        # Resident copies are only sources of a computed repos node's copies.
+        copies_needed = any(n.kind == "repos" and n.id in compute for n in path)
         for node in path:
             if node.kind == "tokens":
-                toks = node.token_ids()
-                if node.pages is None:  # emptied and, by choose_compute, never read here
-                    # Dropped before anything computed now could see it: served by the cache
-                    # state (nothing recomputes it), so it counts as cached, like reused KV.
-                    cached += len(toks)
+                if node.pages is None or node.id not in compute and not copies_needed:
+                    # Reused KV, or emptied and, by choose_compute, never read here (dropped
+                    # before anything computed now could see it: served by the cache state,
+                    # nothing recomputes it): either way cached.
+                    cached += len(node.key)
                     view.append(node)
                     continue
+                toks = node.token_ids()
                 slots = _slots(node.pages, len(node.key), ps)
                 if node.id in compute:
                     seg = int(tl.token_seg[node.tok_start])
-                    view_toks = [t for v in view for t in self._slot_tokens(v)]
+                    view_toks = self._view_tokens(view)
                     vis = np.concatenate([visible(tl, view_toks, seg), np.ones(len(toks), bool)])
                     p.segments.append(
                         SegmentSpec(
@@ -229,7 +240,8 @@ class Planner:
                 epoch += 1
                 held = node.held_tokens
                 view = [node]
-                if node.pages is None:  # emptied and unread: later versions come after it
+                if node.pages is None or not copies_needed:
+                    # Emptied and unread (later versions come after it), or no copies to make.
                     src = {}
                     continue
                 slots = _slots(node.pages, len(held), ps)
@@ -252,7 +264,7 @@ class Planner:
         p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
         r.view_pages = self._view_pages(view)
         r.view_nodes = final
-        r.view_toks = np.asarray([t for v in view for t in self._slot_tokens(v)], np.int64)
+        r.view_toks = self._view_tokens(view)
         r.last_node = path[-1]
         r.prompt_last_node = path[-1]
         r.cached_tokens = cached
@@ -292,11 +304,14 @@ class Planner:
         )
 
     # ------------------------------------------------------------------ helpers
-    def _slot_tokens(self, node: Node) -> list[int]:
-        """Absolute token index held in each slot of the node's pages (-1 for padding)."""
-        toks = list(node.token_ids())
-        n_pages = self.cache.pages_for(len(toks))
-        return toks + [-1] * (n_pages * self.page_size - len(toks))
+    def _view_tokens(self, view: list[Node]) -> np.ndarray:
+        """Absolute token index held in each slot of the view's pages (-1 for padding)."""
+        parts = []
+        for v in view:
+            toks = v.token_array()
+            pad = self.cache.pages_for(len(toks)) * self.page_size - len(toks)
+            parts += [toks, np.full(pad, -1, np.int64)]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _view_pages(self, view: list[Node]) -> list[int]:
         """Pages of a view; an emptied node nothing here can see stands in as page 0 with

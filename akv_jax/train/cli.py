@@ -3,6 +3,7 @@
     python -m akv_jax.train --model-path tiny --data train.jsonl --out runs/a \\
         --eval-data eval.jsonl --lora-rank 8 --steps 200 --batch 2 --lr 1e-3
     python -m akv_jax.train ... --out runs/a --resume      # continue a stopped run
+    python -m akv_jax.train ... --batch 4 --dp 2 --tp 2    # data + tensor parallel, 4 devices
 
 Every token is predicted under the view it had (its trajectory's ops, one forward pass per
 packed example). The run writes into ``--out``:
@@ -132,6 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     a("--dtype", choices=("float32", "bfloat16"), default="float32")
     a(
+        "--dp",
+        type=_number(int, "--dp", 1),
+        default=1,
+        help="data-parallel degree: each step's --batch packs split over this many devices",
+    )
+    a(
+        "--tp",
+        type=_number(int, "--tp", 1),
+        default=1,
+        help="tensor-parallel degree (heads and FFN width, the server's sharding rules)",
+    )
+    a(
         "--compile-cache-dir",
         default=None,
         help="persistent XLA compilation cache, as the server's (default: $AKV_JAX_CACHE/xla; "
@@ -193,6 +206,8 @@ def check_args(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if args.max_tokens % 16:
         raise UsageError(f"--max-tokens must be a multiple of 16, got {args.max_tokens}")
+    if args.batch % args.dp:
+        raise UsageError(f"--batch {args.batch} does not split over --dp {args.dp}")
     for name in ("data", "eval_data"):
         path = getattr(args, name)
         if path is not None and not Path(path).is_file():
@@ -218,6 +233,17 @@ def run(args: argparse.Namespace) -> int:
     from converters.loading import load_model
 
     enable_compile_cache(args.compile_cache_dir)
+    mesh = None
+    if args.dp * args.tp > 1:
+        from akv_jax.model.params import make_mesh
+
+        devices = jax.local_devices()
+        if args.dp * args.tp > len(devices):
+            raise UsageError(
+                f"--dp {args.dp} x --tp {args.tp} needs {args.dp * args.tp} devices; this "
+                f"process has {len(devices)}"
+            )
+        mesh = make_mesh(args.tp, devices[: args.dp * args.tp])
     out = Path(args.out)
     roles = tuple(r.strip() for r in args.loss_roles.split(",") if r.strip())
     model = load_model(args.model_path, args.dtype)
@@ -225,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         tokenise = Tokenise(model.tokenizer, model.cfg.vocab_size, model.stop_ids, roles)
     except ValueError as e:
         raise UsageError(f"--loss-roles: {e}") from None
-    trainer = Trainer(model, args)
+    trainer = Trainer(model, args, mesh)
     # Validate every record before the first step: a bad line fails now, not hours in.
     pipeline.read_all(args.data, tokenise, trainer.packer)
     evals = pipeline.read_all(args.eval_data, tokenise, trainer.packer) if args.eval_data else []

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from akv_jax.train.checkpoint import TrainCheckpointer, export_for_serving
 from akv_jax.train.data import CorePacker
@@ -21,7 +22,14 @@ from akv_jax.train.lora import init_lora
 from akv_jax.train.loss import loss_sums
 from akv_jax.train.optim import OptimConfig
 from akv_jax.train.pack import PackShape
-from akv_jax.train.step import TrainState, init_state, make_train_step, model_params
+from akv_jax.train.step import (
+    TrainState,
+    init_state,
+    make_train_step,
+    model_params,
+    shard_batch,
+    shard_state,
+)
 from converters.loading import LoadedModel
 
 
@@ -41,7 +49,9 @@ def optim_config(args: argparse.Namespace) -> OptimConfig:
 
 
 class Trainer:
-    def __init__(self, model: LoadedModel, args: argparse.Namespace):
+    def __init__(self, model: LoadedModel, args: argparse.Namespace, mesh: Mesh | None = None):
+        """``mesh``: a ("data", "tensor") mesh to train on (params by the serving sharding
+        rules, each batch split over "data"); None: one device."""
         self.model, self.cfg = model, model.cfg
         self.shape = PackShape(
             max_tokens=args.max_tokens,
@@ -58,6 +68,9 @@ class Trainer:
             self.state: TrainState = init_state(lora, optim, frozen=model.params)
         else:
             self.state = init_state(model.params, optim)
+        self.mesh = mesh
+        if mesh is not None:
+            self.state = shard_state(self.state, self.cfg, optim, mesh)
         self._step = make_train_step(self.cfg, self.shape, optim)
         cfg, shape = self.cfg, self.shape
         self._sums = jax.jit(
@@ -66,6 +79,8 @@ class Trainer:
 
     def step(self, batch: Any) -> tuple[float, int]:
         """One micro-step on ``batch``: (its mean target loss, its real tokens)."""
+        if self.mesh is not None:
+            batch = shard_batch(batch, self.mesh)
         self.state, metrics = self._step(self.state, batch)
         return float(metrics["loss"]), int(metrics["rows"])
 

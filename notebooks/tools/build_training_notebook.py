@@ -12,8 +12,8 @@ when AKV's rolling drop removes old tool outputs and a reposition re-encodes the
 keys' positions. `akv_jax.train` fine-tunes through the op history itself: one forward pass
 per packed example, every token predicted from exactly the view it had.
 
-This notebook fine-tunes the embedded SmolLM2-135M-Instruct (LoRA on the attention and MLP
-projections) for a few hundred steps on synthetic agent conversations
+This notebook fine-tunes the embedded SmolLM2-135M-Instruct (every weight, float32) for a
+few hundred steps on synthetic agent conversations
 (`akv_jax.train.synthetic`: config-file lookups through a `read_file` tool), with AKV's
 rolling drop (only the latest tool output kept) and a reposition whenever the position
 counter passes a threshold. It plots the held-out loss under the cache-engineered view
@@ -36,11 +36,12 @@ from converters.loading import load_model
 
 # "default" is the embedded SmolLM2-135M-Instruct; the tests run "tiny" with a few steps.
 MODEL = "default"
-STEPS = 40
+STEPS = 300
 TRAIN, EVAL, TURNS, LINES = 64, 8, 3, 4
 RUN_ARGS = ["--lr", "1e-4", "--batch", "1", "--max-tokens", "256", "--max-segments", "16",
-            "--max-trajectories", "1", "--max-versions", "8", "--eval-every", "10"]
-FIGURE = "docs/training_under_ops.png"  # where the README's copy is written"""),
+            "--max-trajectories", "1", "--max-versions", "8", "--eval-every", "25"]
+FIGURE = "docs/training_under_ops.png"  # where the README's copy is written
+LOG_COPY = "bench/results/training_under_ops_smollm2_log.jsonl"  # the SmolLM2 run's log"""),
     md("""## Data: synthetic agent conversations under AKV's rolling drop
 Each conversation: a system prompt, the user's request (one setting across a project's config
 files), then per turn an assistant message (the value from the file just read, and the next
@@ -97,7 +98,8 @@ fig.tight_layout()
 if MODEL == "default":
     Path(FIGURE).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(FIGURE, dpi=120)
-    print("saved", FIGURE)"""),
+    Path(LOG_COPY).write_text((out / cli.LOG_NAME).read_text())
+    print("saved", FIGURE, "and", LOG_COPY)"""),
 ]
 nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
 nbf.write(nb, "notebooks/training_under_ops.ipynb")
