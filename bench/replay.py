@@ -57,7 +57,8 @@ Output: bench/results/replay.json (settings, every cell, ratios), bench/results/
 (``--name`` changes the stem),
 and a last line ``replay: AKV/Standard output throughput X.XXx, P95 latency X.XXx, lowest
 equal-C throughput X.XXx`` (the smallest AKV/Standard output-throughput ratio over the
-concurrencies). Per cell it also prints the server's tier counters: pages offloaded to and
+concurrencies), preceded by each method's lowest cell over its own C = 4 cell (below 0.5: a
+collapse under memory pressure). Per cell it also prints the server's tier counters: pages offloaded to and
 reloaded from the host tier, host evictions, tokens recomputed by restores, preemptions and
 admission waits.
 """
@@ -275,6 +276,18 @@ def equal_ratios(cells: list[dict], c: int, a: str = "akv", b: str = "standard")
     }
 
 
+def lowest_over_c4(cells: list[dict], methods: list[str]) -> dict[str, float]:
+    """Per method, its lowest output throughput over the concurrencies divided by its C = 4
+    throughput (the issue's collapse criterion: no cell below half of C = 4); methods
+    without a C = 4 cell are left out."""
+    out = {}
+    for m in methods:
+        mine = {c["concurrency"]: c["output_throughput"] for c in cells if c["method"] == m}
+        if mine.get(4):
+            out[m] = min(mine.values()) / mine[4]
+    return out
+
+
 def plot(cells: list[dict], methods: list[str], path: Path) -> None:
     import matplotlib
 
@@ -406,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     for c, r in result["ratios"].get("standard", {}).get("at_equal_concurrency", {}).items():
         print(f"at C={c}: AKV/Standard output throughput {r['output_throughput']:.2f}x, "
               f"P95 latency {r['latency_p95']:.2f}x (Standard P95 / AKV P95)")
+    result["lowest_over_c4"] = lowest_over_c4(cells, args.methods)
+    for m, v in result["lowest_over_c4"].items():
+        print(f"{LABELS[m]}: lowest cell / its C=4 output throughput {v:.2f}x "
+              "(below 0.5: a collapse)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(_clean(result), indent=1) + "\n")
     plot(cells, args.methods, args.out / f"{args.name}.png")
