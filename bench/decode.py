@@ -45,7 +45,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
-from torch_client import TorchWorker, add_torch_args, median
+from torch_client import add_torch_args, median, start_workers
 
 from akv_jax.cache.ops import parse_history
 from akv_jax.model.causal import greedy_generate
@@ -121,16 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     model = load_model(None if args.model == "default" else args.model, args.dtype)
     jx = EngineDecoder(model, args)
-    workers: dict[int, TorchWorker] = {}
-    if args.model != "default":
-        print("transformers runs only on the default model: akv_jax side only", file=sys.stderr)
-    elif args.torch_python and Path(args.torch_python).exists():
-        workers = {
-            n: TorchWorker(args.torch_python, "torch_decode_worker.py", n)
-            for n in args.torch_threads
-        }
-    else:
-        print(f"no torch Python at {args.torch_python!r}: akv_jax side only", file=sys.stderr)
+    workers = start_workers(args, "torch_decode_worker.py")
     rng = np.random.default_rng(args.seed)
     vocab = model.cfg.vocab_size
 

