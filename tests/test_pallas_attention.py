@@ -504,3 +504,39 @@ def test_chunked_sinks_and_window_match_oracle():
     )
     want = dense_oracle(q, k, v, case.specs, 16, 0.25, sinks=sinks, window=33)
     _assert_close(got, want, jnp.float32)
+
+
+def test_chunked_gathered_views_window_chunks_and_stale_buffers():
+    """The many-row path gathers each segment's pages into buffers reused by the next
+    segment: a long windowed segment whose block ranges start past page 0 and span several
+    chunks (a chunk that would run past the view must not be clamped back over keys already
+    counted), then a shorter segment over the same buffers (the first one's keys stay past
+    its reach) with a dropped span, then a padding segment. Unused pool slots are NaN."""
+    from akv_jax.pallas.chunked import segment_attention_chunked
+
+    ps, Hkv, G, Dh, block_q = 4, 2, 3, 8, 4
+    rng = np.random.default_rng(7)
+    P = 40
+    k = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
+    v = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
+    k[30:], v[30:] = np.nan, np.nan  # never part of a view
+    vis_b = np.ones(30, bool)
+    vis_b[9:17] = False  # dropped span
+    segs = [
+        SegmentSpec(q_start=0, q_len=22, pages=list(range(0, 22)), kv_visible=np.ones(87, bool),
+                    causal_pos=65),
+        SegmentSpec(q_start=22, q_len=7, pages=list(range(22, 30)), kv_visible=vis_b,
+                    causal_pos=23),
+    ]
+    batch = build_segment_batch(segs, page_size=ps, block_q=block_q, num_segments=4,
+                                max_pages=22)  # the view fills its page table
+    q = jnp.asarray(rng.standard_normal((32, Hkv * G, Dh)).astype(np.float32))
+    sinks = jnp.linspace(-1.0, 1.0, Hkv * G)
+    for w in (None, 5, 9, 13):  # window starts at odd and even pages
+        want = segment_attention_reference(q, jnp.asarray(k), jnp.asarray(v), batch,
+                                           block_q=block_q, sm_scale=0.3, sinks=sinks,
+                                           sliding_window=w)
+        got = segment_attention_chunked(q, jnp.asarray(k), jnp.asarray(v), batch,
+                                        block_q=block_q, sm_scale=0.3, sinks=sinks,
+                                        sliding_window=w, pages_per_chunk=2)
+        _assert_close(got[:29], want[:29], jnp.float32)
