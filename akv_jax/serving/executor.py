@@ -33,11 +33,17 @@ Work = Sequence[tuple[RequestState | None, Pass]]
 
 
 def token_bucket(n: int, block_q: int) -> int:
-    """Padded row count of a forward: decode rows in half-octave steps; prefill rows in
-    quarter-octave steps, so a prompt just past a power of two pays at most 25% padded rows
-    in its matmuls, not 50% (2,100 rows: 2,560, not 3,072), for twice the prefill shapes."""
+    """Padded row count of a forward: decode rows in half-octave steps from 1 (1, 2, 3, 4,
+    6, 8, 12, ...); prefill rows in quarter-octave steps, so a prompt just past a power of two
+    pays at most 25% padded rows in its matmuls, not 50% (2,100 rows: 2,560, not 3,072), for
+    twice the prefill shapes.
+
+    Decode starts at 1 row, not 8: a decode step streams the weights, and on the CPU a
+    matrix-vector product runs at the memory's speed where an 8-row product is compute-bound
+    in a small-GEMM kernel (SmolLM2's 90 MLP matrices: 11.9 ms at 1 row, 22.0 ms at 8), so a
+    single stream padded to 8 rows paid ~40% of its step for the padding."""
     if block_q == 1:
-        return bucket(n, 8, steps_per_octave=2)
+        return bucket(n, 1, steps_per_octave=2)
     return bucket(n, max(block_q, 64), steps_per_octave=4)
 
 
@@ -200,7 +206,10 @@ class Executor:
             num_segments=ns,
             max_pages=view_bucket(max(len(s.pages) for s in segs), ps),
         )
-        row_arr = np.zeros(bucket(len(rows), 8), np.int32)
+        # Decode: one logits row per token, padded as the tokens are (the vocabulary matmul
+        # streams the whole embedding; at 1 row it runs at the memory's speed, see
+        # token_bucket); prefill: one per request, padded to 8 (fewer shapes).
+        row_arr = np.zeros(T if block_q == 1 else bucket(len(rows), 8), np.int32)
         row_arr[: len(rows)] = rows
         writes_arr = KVWrites(slots=jnp.asarray(slot_arr), positions=jnp.asarray(pos_arr))
         logits = group.forward(
