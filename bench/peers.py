@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -425,14 +426,22 @@ def run_workloads(srv: Server, sz: Sizes, seed: int, agent: bool) -> Outcome:
     return res
 
 
-def warm_up(srv: Server, sz: Sizes) -> None:
-    """Compile / touch every path the workloads take, outside the timings."""
+def warm_up(srv: Server, sz: Sizes, agent: bool = True) -> None:
+    """Compile / touch every path the workloads take, outside the timings: the agent
+    workload too (3 turns of its conversations; on akv_jax also with drops, whose requests
+    carry cache operations: without this the first drop requests paid for step shapes the
+    plain ones never use, inside the timed run)."""
     rng = np.random.default_rng(12345)
     srv.stream(_ids(rng, sz.prompt), 4)
     _parallel([lambda: srv.generate([_ids(rng, sz.prompt)], 4) for _ in range(sz.streams)])
     p = _ids(rng, sz.cold)
     srv.generate([p], 1)
     srv.generate([p + _ids(rng, sz.extra)], 1)
+    if agent:
+        short = dataclasses.replace(sz, turns=min(3, sz.turns))
+        agent_run(srv, short, 54321, drops=False)
+        if isinstance(srv, AkvServer):
+            agent_run(srv, short, 54322, drops=True)
 
 
 # ---------------------------------------------------------------------------- HF folder
@@ -641,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             srv = start(name)
             try:
                 info[name]["startup_s"].append(srv.startup_s)
-                warm_up(srv, sz)
+                warm_up(srv, sz, agent=not args.no_agent)
                 res = run_workloads(srv, sz, args.seed + 1000 * rep, agent=not args.no_agent)
                 info[name]["rss_mib"].append(srv.rss_mib())
             finally:
