@@ -33,17 +33,19 @@ Work = Sequence[tuple[RequestState | None, Pass]]
 
 
 def token_bucket(n: int, block_q: int) -> int:
-    """Padded row count of a forward: decode rows in half-octave steps from 1 (1, 2, 3, 4,
-    6, 8, 12, ...); prefill rows in quarter-octave steps, so a prompt just past a power of two
+    """Padded row count of a forward: decode rows 1, or in half-octave steps from 8 (8, 16,
+    24, 32, 48, ...); prefill rows in quarter-octave steps, so a prompt just past a power of two
     pays at most 25% padded rows in its matmuls, not 50% (2,100 rows: 2,560, not 3,072), for
     twice the prefill shapes.
 
-    Decode starts at 1 row, not 8: a decode step streams the weights, and on the CPU a
-    matrix-vector product runs at the memory's speed where an 8-row product is compute-bound
-    in a small-GEMM kernel (SmolLM2's 90 MLP matrices: 11.9 ms at 1 row, 22.0 ms at 8), so a
-    single stream padded to 8 rows paid ~40% of its step for the padding."""
+    A single decode row is not padded to 8: a decode step streams the weights, and on the CPU
+    a matrix-vector product runs at the memory's speed where an 8-row product is
+    compute-bound in a small-GEMM kernel (SmolLM2's 90 MLP matrices: 11.9 ms at 1 row, 22.0
+    ms at 8), so a single stream padded to 8 rows paid ~40% of its step for the padding.
+    2-7 rows still share the 8-row shape (14-20 ms at 2-6 rows: less to gain, and every
+    shape is a compile)."""
     if block_q == 1:
-        return bucket(n, 1, steps_per_octave=2)
+        return 1 if n == 1 else bucket(n, 8, steps_per_octave=2)
     return bucket(n, max(block_q, 64), steps_per_octave=4)
 
 
