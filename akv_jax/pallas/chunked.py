@@ -11,12 +11,14 @@ Two loops over the same plan, chosen by ``block_q`` (static):
 
 * decode (``block_q == 1``): each block (one request's token) gathers its chunk of pages
   from the pool inside the loop; every key is read once, which is all a decode step does;
-* prefill and restore (``block_q > 1``): many blocks read the same view, so each segment's
-  compacted visible pages are gathered once per call into a head-major copy
-  ``[S, Hkv, keys, Dh]``, and the blocks slice their chunks out of it. The scores are then
-  one batched matmul per kv head over ``group x block_q`` query rows, with no gather or
-  transpose inside the loop. Measured on a 2,000-token cold prefill (one SmolLM2 layer, 9
-  query / 3 kv heads, 2 CPU cores): 150 -> 58 ms a layer, the same within float rounding.
+* prefill and restore (``block_q > 1``): many blocks read the same view, so a loop over
+  segments gathers each one's compacted visible pages, as far as its blocks reach, into a
+  head-major buffer ``[Hkv, keys, Dh]``, and its blocks slice their chunks out of it. The
+  scores are then one batched matmul per kv head over ``group x block_q`` query rows, with
+  no gather or transpose inside the chunk loop. Measured on SmolLM2 (9 query / 3 kv heads,
+  2 CPU cores): a 2,000-token cold prefill's forward 7.6 -> 4.0 s (``bench/profile_engine.py``).
+
+Both run the same online softmax (:func:`_softmax_step`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,41 @@ def _default_pages_per_chunk(page_size: int) -> int:
 
 def _pages(pool: jax.Array, layer: jax.Array | None, pages: jax.Array) -> jax.Array:
     return pool[pages] if layer is None else pool[layer, pages]
+
+
+# The online softmax both loops run, per query block, over [Hkv, G, block_q] rows: a carry
+# (running maximum, denominator, [..., Dh] accumulator) updated chunk by chunk.
+def _softmax_start(sinks: jax.Array | None, Hkv: int, G: int, rows: int, Dh: int):
+    shape = (Hkv, G, rows)
+    if sinks is None:
+        m0, l0 = jnp.full(shape, NEG_INF), jnp.zeros(shape)
+    else:  # a sink is one extra logit with no value: it starts the running softmax
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, G, 1), shape)
+        l0 = jnp.ones(shape)
+    return m0, l0, jnp.zeros((*shape, Dh))
+
+
+def _softmax_step(carry, s: jax.Array, mask: jax.Array, pv):
+    """One chunk: scores ``s`` [Hkv, G, rows, keys], ``mask`` [rows, keys], ``pv(p)`` the
+    chunk's probabilities times its values, [Hkv, G, rows, Dh]."""
+    m, denom, acc = carry
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    # No second select over the [heads, rows, keys] scores (on the CPU the two selects cost
+    # as much as both matmuls): a masked score is NEG_INF, so its exp is exactly 0 once the
+    # row maximum is floored at NEG_INF / 10 (a row with nothing visible yet); a row with a
+    # visible score keeps its own maximum.
+    p = jnp.exp(s - jnp.maximum(m_new, NEG_INF / 10)[..., None])
+    corr = jnp.exp(m - m_new)
+    return m_new, denom * corr + p.sum(axis=-1), acc * corr[..., None] + pv(p)
+
+
+def _softmax_out(carry) -> jax.Array:
+    """The block's output rows [rows, Hkv * G, Dh]."""
+    _, denom, acc = carry
+    o = acc / jnp.maximum(denom, 1e-30)[..., None]
+    Hkv, G, rows, Dh = o.shape
+    return o.transpose(2, 0, 1, 3).reshape(rows, Hkv * G, Dh)
 
 
 def segment_attention_chunked(
@@ -87,7 +124,6 @@ def segment_attention_chunked(
         lo, hi = plan.lo[b], plan.hi[b]
 
         def chunk(i, carry):
-            m, denom, acc = carry
             start = lo + i * C
             pg = jax.lax.dynamic_slice_in_dim(pages[seg], start, C)
             sp = jax.lax.dynamic_slice_in_dim(slot_pos[seg], start, C)
@@ -101,29 +137,11 @@ def segment_attention_chunked(
             if sliding_window is not None:  # the window counts visible slots (plan.py)
                 mask &= sp[None, :] >= win[b][:, None]
             s = jnp.einsum("qhgd,khd->hgqk", qb, k)
-            s = jnp.where(mask[None, None], s, NEG_INF)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            # No second select over the [heads, rows, keys] scores (on the CPU the two
-            # selects cost as much as both matmuls): a masked score is NEG_INF, so its
-            # exp is exactly 0 once the row maximum is floored at NEG_INF / 10 (a row with
-            # nothing visible yet); a row with a visible score keeps its own maximum.
-            p = jnp.exp(s - jnp.maximum(m_new, NEG_INF / 10)[..., None])
-            corr = jnp.exp(m - m_new)
-            denom = denom * corr + p.sum(axis=-1)
-            acc = acc * corr[..., None] + jnp.einsum("hgqk,khd->hgqd", p, v)
-            return m_new, denom, acc
+            return _softmax_step(carry, s, mask, lambda p: jnp.einsum("hgqk,khd->hgqd", p, v))
 
-        shape = (Hkv, G, block_q)
-        if sinks is None:
-            m0, l0 = jnp.full(shape, NEG_INF), jnp.zeros(shape)
-        else:  # a sink is one extra logit with no value: it starts the running softmax
-            m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, G, 1), shape)
-            l0 = jnp.ones(shape)
-        acc0 = jnp.zeros((*shape, Dh))
         n_chunks = (hi - lo + C - 1) // C
-        _, denom, acc = jax.lax.fori_loop(0, n_chunks, chunk, (m0, l0, acc0))
-        o = acc / jnp.maximum(denom, 1e-30)[..., None]
-        return o.transpose(2, 0, 1, 3).reshape(block_q, Hq, Dh)
+        carry = jax.lax.fori_loop(0, n_chunks, chunk, _softmax_start(sinks, Hkv, G, block_q, Dh))
+        return _softmax_out(carry)
 
     out_blocks = jax.lax.map(one_block, jnp.arange(blocks.num_blocks))
     out_rows = blocks.q_start[:, None] + rows[None, :]
@@ -179,7 +197,6 @@ def _attention_over_gathered_views(
     first = jnp.cumsum(count) - count  # segment s's blocks: by_seg[first[s] : + count[s]]
     q_pad = jnp.concatenate([q, jnp.zeros((block_q, Hq, Dh), q.dtype)], axis=0)
     rows = jnp.arange(block_q)
-    shape = (Hkv, G, block_q)
 
     def one_segment(s, carry):
         # [Hkv, n, Dh]: the segment's keys in slot order per kv head, so a chunk is one
@@ -213,7 +230,6 @@ def _attention_over_gathered_views(
             lo, hi = plan.lo[b] * ps, plan.hi[b] * ps
 
             def chunk(i, carry):
-                m, denom, acc = carry
                 start = lo + i * CK
                 kc = jax.lax.dynamic_slice_in_dim(k, start, CK, axis=1)
                 vc = jax.lax.dynamic_slice_in_dim(v, start, CK, axis=1)
@@ -222,27 +238,17 @@ def _attention_over_gathered_views(
                 if sliding_window is not None:  # the window counts visible slots (plan.py)
                     mask &= sp[None, :] >= win[b][:, None]
                 s_ = jnp.einsum("hqd,hkd->hqk", qb, kc).reshape(Hkv, G, block_q, CK)
-                s_ = jnp.where(mask, s_, NEG_INF)
-                m_new = jnp.maximum(m, s_.max(axis=-1))
-                # As in the decode loop: a masked score's exp is exactly 0 once the row
-                # maximum is floored at NEG_INF / 10, so no second select.
-                p = jnp.exp(s_ - jnp.maximum(m_new, NEG_INF / 10)[..., None])
-                corr = jnp.exp(m - m_new)
-                denom = denom * corr + p.sum(axis=-1)
-                pv = jnp.einsum("hqk,hkd->hqd", p.reshape(Hkv, G * block_q, CK), vc)
-                acc = acc * corr[..., None] + pv.reshape(shape + (Dh,))
-                return m_new, denom, acc
 
-            if sinks is None:
-                m0, l0 = jnp.full(shape, NEG_INF), jnp.zeros(shape)
-            else:  # a sink is one extra logit with no value: it starts the running softmax
-                m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, G, 1), shape)
-                l0 = jnp.ones(shape)
-            acc0 = jnp.zeros((*shape, Dh))
+                def pv(p):
+                    o = jnp.einsum("hqk,hkd->hqd", p.reshape(Hkv, G * block_q, CK), vc)
+                    return o.reshape(Hkv, G, block_q, Dh)
+
+                return _softmax_step(carry, s_, mask, pv)
+
             n_chunks = (hi - lo + CK - 1) // CK
-            _, denom, acc = jax.lax.fori_loop(0, n_chunks, chunk, (m0, l0, acc0))
-            o = acc / jnp.maximum(denom, 1e-30)[..., None]
-            o = o.transpose(2, 0, 1, 3).reshape(block_q, Hq, Dh)
+            carry = jax.lax.fori_loop(0, n_chunks, chunk,
+                                      _softmax_start(sinks, Hkv, G, block_q, Dh))
+            o = _softmax_out(carry)
             # Rows past q_len belong to whatever follows: keep what is there.
             old = jax.lax.dynamic_slice_in_dim(out, blocks.q_start[b], block_q, axis=0)
             o = jnp.where(row_ok[:, None, None], o, old)
