@@ -274,7 +274,7 @@ def test_plan_window_counts_visible_slots():
 
 # ------------------------------------------ sliding window over visible entries (DESIGN §2.1)
 
-WINDOW_BACKENDS = ["reference", "chunked", "gpu", "tpu"]
+WINDOW_BACKENDS = ["reference", "chunked", "cpu", "gpu", "tpu"]
 # (page_size, group, window, sinks): windows of one entry (itself), smaller than most views,
 # and larger than any view (= full attention); GQA groups 1, 3, 4.
 WINDOW_CASES = [(4, 3, 7, True), (8, 4, 1, False), (4, 1, 1000, True)]
@@ -285,6 +285,11 @@ def _attend(backend, q, k, v, batch, *, block_q, sm_scale, sinks, window):
     if backend == "tpu":  # the TPU body, interpreted (no dispatch to it on the CPU)
         return segment_attention_tpu(q, k, v, batch, block_q=block_q, sm_scale=sm_scale,
                                      sinks=sinks, sliding_window=window, interpret=True)
+    if backend == "cpu":  # the fused C++ kernel, called directly (not its fallback)
+        from akv_jax.pallas.cpu_attention import segment_attention_cpu
+
+        return segment_attention_cpu(q, k, v, batch, block_q=block_q, sm_scale=sm_scale,
+                                     sinks=sinks, sliding_window=window)
     if backend == "chunked":
         from akv_jax.pallas.chunked import segment_attention_chunked
 
@@ -415,13 +420,11 @@ def test_dispatch_pallas_on_cpu_runs_the_kernel():
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(5), num_kv_heads=2, group=3, head_dim=16
     )
-    from akv_jax.pallas.chunked import segment_attention_chunked
-
     ref_fn = make_attention_fn("reference", block_q=case.block_q, sm_scale=0.25)
     assert isinstance(ref_fn, functools.partial) and ref_fn.func is segment_attention_reference
-    # "auto" on the CPU: the chunked jnp path (no Pallas lowering here)
+    # "auto" on the CPU: the fused C++ kernel (tests/test_cpu_attention.py), whose fallback
+    # is the chunked jnp path (no Pallas lowering here)
     auto_fn = make_attention_fn("auto", block_q=case.block_q, sm_scale=0.25, platform="cpu")
-    assert isinstance(auto_fn, functools.partial) and auto_fn.func is segment_attention_chunked
     ker_fn = make_attention_fn("pallas", block_q=case.block_q, sm_scale=0.25)
     _assert_close(ker_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)
     _assert_close(auto_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)

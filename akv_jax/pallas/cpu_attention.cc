@@ -1,0 +1,367 @@
+// Segment-batch attention for XLA:CPU, fused: the CPU kernel of akv_jax.pallas.cpu_attention.
+//
+// Same semantics as akv_jax/pallas/reference.py (the module's tests compare them); the work
+// follows the visible KV like chunked.py: each query block reads only its segment's compacted
+// visible pages (plan.py's PagePlan) straight from the paged pool, 64 keys a tile, with an
+// online softmax whose scores, exponentials and probabilities stay in registers and a few
+// KB of stack. A jnp loop cannot do that on the CPU: XLA runs each element-wise pass of the
+// softmax over memory, which cost more than both matmuls (chunked.py's notes).
+//
+// One work item is (query block, kv head): its G query heads x q_len rows against the
+// block's keys. Items run on XLA's intra-op thread pool, largest (latest causal) first.
+// Vectors are GCC vector extensions (16 floats): AVX-512 with -march=native where the CPU
+// has it, pairs of AVX2 registers otherwise.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int W = 16;           // floats per vector
+constexpr int TK = 128;         // keys per tile: the per-row softmax work is paid per tile
+constexpr int KV = TK / W;      // vectors per tile row of scores
+constexpr int QK_V = 4;         // key vectors per pass of the score product
+constexpr int RT = 4;           // query rows per register tile
+constexpr int BLK_FIELDS = 6;   // seg, q_start, q_len, kv_pos, lo, hi
+
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+inline vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vi viload(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
+// Lane by lane, not ``vf{} + x``: 0 + x is not x for x = -0, so that form costs an add
+// before every broadcast in the inner loops.
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline vi splati(int32_t x) { return vi{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// Horizontal reductions as a tree of lane shuffles (4 steps, not a 16-long scalar chain).
+inline vf swap_halves(vf v, int step) {
+  switch (step) {
+    case 8: return __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    case 4: return __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    case 2: return __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    default: return __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  }
+}
+inline float hmax(vf v) {
+  for (int step = 8; step >= 1; step /= 2) {
+    const vf o = swap_halves(v, step);
+    v = v > o ? v : o;
+  }
+  return v[0];
+}
+inline float hsum(vf v) {
+  for (int step = 8; step >= 1; step /= 2) v += swap_halves(v, step);
+  return v[0];
+}
+
+// exp(x) for x <= 0 (scores minus their running maximum), Cephes' expf: x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built in the exponent bits. Below
+// -87 it returns ~e^-87 (callers zero the masked lanes themselves).
+inline vf vexp(vf x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+  vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * r * r + r + splat(1.0f);
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf pow2;
+  std::memcpy(&pow2, &e, sizeof pow2);
+  return y * pow2;
+}
+
+struct Problem {
+  const float* q;        // [T, Hq, Dh]
+  const float* k;        // this layer's pool [P, ps, Hkv, Dh]
+  const float* v;
+  const int32_t* pages;  // [S, MPp] compacted visible pages per segment
+  const int32_t* slot_pos;  // [S, MPp * ps] view index per compacted slot, -1 masked
+  const int32_t* blk;    // [NB, BLK_FIELDS]
+  const int32_t* win;    // [NB, block_q] window start per row, or null
+  const float* sinks;    // [Hq] or null
+  float* out;            // [T, Hq, Dh]
+  int64_t T, Hq, Hkv, G, Dh, ps, MPp, block_q;
+  float sm_scale;
+};
+
+// One (block, kv head) item. NV: Dh / 16 vectors per head row.
+template <int NV>
+void attend(const Problem& pb, int64_t b, int64_t h) {
+  const int32_t* bk = pb.blk + b * BLK_FIELDS;
+  const int32_t seg = bk[0], q_start = bk[1], q_len = bk[2], kv_pos = bk[3];
+  const int64_t lo = bk[4], hi = bk[5];
+  if (seg < 0 || q_len <= 0) return;
+  const int64_t G = pb.G, Dh = NV * W, Hq = pb.Hq, ps = pb.ps;
+  const int64_t R = int64_t(q_len) * G;               // real rows: (i, g) -> i * G + g
+  const int64_t Rp = (R + RT - 1) / RT * RT;          // padded to whole register tiles
+
+  std::vector<float> qs(Rp * Dh, 0.f), acc(Rp * Dh, 0.f), m(Rp), l(Rp);
+  std::vector<int32_t> pos(Rp, -1), wlo(Rp, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / G, g = r % G, hq = h * G + g;
+    const float* src = pb.q + ((q_start + i) * Hq + hq) * Dh;
+    for (int64_t d = 0; d < Dh; ++d) qs[r * Dh + d] = src[d] * pb.sm_scale;
+    pos[r] = kv_pos + int32_t(i);
+    if (pb.win) wlo[r] = pb.win[b * pb.block_q + i];
+    if (pb.sinks) {  // a sink is one more logit with no value: it starts the softmax
+      m[r] = pb.sinks[hq];
+      l[r] = 1.f;
+    } else {
+      m[r] = -std::numeric_limits<float>::infinity();
+      l[r] = 0.f;
+    }
+  }
+  for (int64_t r = R; r < Rp; ++r) {  // padding rows see nothing
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+
+  // Few rows (a decode step: one token's G query heads) score each key with dot products
+  // read straight from the pool; many rows share one transposed copy of the tile's keys.
+  const bool few_rows = R <= RT;
+  alignas(64) float kt[NV * W * TK];  // keys transposed: [Dh][TK] (many rows)
+  alignas(64) int32_t sp[TK];
+  alignas(64) float p[RT * TK];  // a row tile's scores, then its probabilities
+  alignas(64) static const float zeros[NV * W] = {};
+  const float* kp[TK];  // each key's and value's row in the pool; zeros where masked
+  const float* vp[TK];  // (a masked slot may hold NaN, and 0 * NaN is NaN)
+  const int32_t* seg_pages = pb.pages + int64_t(seg) * pb.MPp;
+  const int32_t* seg_pos = pb.slot_pos + int64_t(seg) * pb.MPp * ps;
+  const int64_t stride = pb.Hkv * Dh;  // between consecutive slots of a page
+  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+  int32_t max_pos = kv_pos + q_len - 1;
+
+  for (int64_t k0 = lo * ps; k0 < hi * ps; k0 += TK) {
+    const int64_t nk = std::min<int64_t>(TK, hi * ps - k0);
+    bool any = false;
+    for (int64_t j = 0; j < TK; ++j) {
+      int32_t s = j < nk ? seg_pos[k0 + j] : -1;
+      if (s > max_pos) s = -1;
+      sp[j] = s;
+      if (s < 0) {
+        kp[j] = vp[j] = zeros;
+        continue;
+      }
+      any = true;
+      const int64_t kk = k0 + j;
+      const int64_t slot = int64_t(seg_pages[kk / ps]) * ps + kk % ps;
+      kp[j] = pb.k + slot * stride + h * Dh;
+      vp[j] = pb.v + slot * stride + h * Dh;
+    }
+    if (!any) continue;
+    if (!few_rows) {
+      for (int64_t j = 0; j < TK; ++j)
+        for (int64_t d = 0; d < Dh; ++d) kt[d * TK + j] = kp[j][d];
+    }
+    vi spv[KV];
+    for (int c = 0; c < KV; ++c) spv[c] = viload(sp + c * W);
+
+    for (int64_t r0 = 0; r0 < R; r0 += RT) {
+      // Scores of RT rows x TK keys, QK_V key vectors at a time: RT * QK_V accumulators
+      // in registers, each key vector loaded once for RT rows.
+      const float* qr = qs.data() + r0 * Dh;
+      if (few_rows) {
+        vf qv[RT][NV];
+        for (int t = 0; t < RT; ++t)
+          for (int n = 0; n < NV; ++n) qv[t][n] = vload(qr + t * Dh + n * W);
+        for (int64_t j = 0; j < TK; ++j) {
+          vf kv[NV];
+          for (int n = 0; n < NV; ++n) kv[n] = vload(kp[j] + n * W);
+          for (int t = 0; t < RT; ++t) {
+            vf a = qv[t][0] * kv[0];
+            for (int n = 1; n < NV; ++n) a += qv[t][n] * kv[n];
+            p[t * TK + j] = hsum(a);
+          }
+        }
+      }
+      for (int c0 = 0; c0 < KV && !few_rows; c0 += QK_V) {
+        vf acc_s[RT][QK_V];
+        for (int t = 0; t < RT; ++t)
+          for (int c = 0; c < QK_V; ++c) acc_s[t][c] = vf{};
+        for (int64_t d = 0; d < Dh; ++d) {
+          vf kd[QK_V];
+          for (int c = 0; c < QK_V; ++c) kd[c] = vload(kt + d * TK + (c0 + c) * W);
+          for (int t = 0; t < RT; ++t) {
+            const vf qd = splat(qr[t * Dh + d]);
+            for (int c = 0; c < QK_V; ++c) acc_s[t][c] += qd * kd[c];
+          }
+        }
+        for (int t = 0; t < RT; ++t)
+          for (int c = 0; c < QK_V; ++c) vstore(p + t * TK + (c0 + c) * W, acc_s[t][c]);
+      }
+      // Online softmax per row, in place: scores -> probabilities (0 where masked).
+      bool live[RT];
+      for (int t = 0; t < RT; ++t) {
+        const int64_t r = r0 + t;
+        const vi rp = splati(pos[r]), rw = splati(wlo[r]);
+        vf sc[KV];
+        vi ok[KV];
+        vf vmax = neg_inf;
+        for (int c = 0; c < KV; ++c) {
+          ok[c] = (spv[c] >= splati(0)) & (spv[c] <= rp) & (spv[c] >= rw);
+          sc[c] = ok[c] ? vload(p + t * TK + c * W) : neg_inf;
+          vmax = vmax > sc[c] ? vmax : sc[c];
+        }
+        const float tmax = hmax(vmax);
+        live[t] = tmax > -std::numeric_limits<float>::infinity();
+        if (!live[t]) {  // nothing visible to this row in the tile
+          std::memset(p + t * TK, 0, TK * sizeof(float));
+          continue;
+        }
+        const float m_new = std::max(m[r], tmax);
+        const vf mv = splat(m_new);
+        vf sum = vf{};
+        for (int c = 0; c < KV; ++c) {
+          vf e = vexp(sc[c] - mv);
+          e = ok[c] ? e : vf{};
+          sum += e;
+          vstore(p + t * TK + c * W, e);
+        }
+        const float corr = std::exp(m[r] - m_new);  // 0 when m was -inf
+        l[r] = l[r] * corr + hsum(sum);
+        m[r] = m_new;
+        if (corr != 1.f) {
+          float* a = acc.data() + r * Dh;
+          for (int n = 0; n < NV; ++n) vstore(a + n * W, vload(a + n * W) * splat(corr));
+        }
+      }
+      // Probabilities times values: RT rows x NV accumulators.
+      vf o[RT][NV];
+      for (int t = 0; t < RT; ++t)
+        for (int n = 0; n < NV; ++n) o[t][n] = vload(acc.data() + (r0 + t) * Dh + n * W);
+      for (int64_t j = 0; j < nk; ++j) {
+        vf vj[NV];
+        for (int n = 0; n < NV; ++n) vj[n] = vload(vp[j] + n * W);
+        for (int t = 0; t < RT; ++t) {
+          const vf pj = splat(p[t * TK + j]);
+          for (int n = 0; n < NV; ++n) o[t][n] += pj * vj[n];
+        }
+      }
+      for (int t = 0; t < RT; ++t)
+        for (int n = 0; n < NV; ++n) vstore(acc.data() + (r0 + t) * Dh + n * W, o[t][n]);
+    }
+  }
+
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / G, g = r % G;
+    float* dst = pb.out + ((q_start + i) * Hq + h * G + g) * Dh;
+    const float inv = 1.f / std::max(l[r], 1e-30f);
+    for (int64_t d = 0; d < Dh; ++d) dst[d] = acc[r * Dh + d] * inv;
+  }
+}
+
+using ItemFn = void (*)(const Problem&, int64_t, int64_t);
+
+template <int NV>
+ItemFn pick(int64_t nv) {
+  if constexpr (NV > 16) {
+    return nullptr;
+  } else {
+    return nv == NV ? &attend<NV> : pick<NV + 1>(nv);
+  }
+}
+
+// Items shared by the caller and the pool's workers; owned by whoever finishes last, so a
+// worker that starts after the call returned finds nothing to do and frees it safely.
+struct Work {
+  Problem pb;
+  ItemFn fn;
+  int64_t n_items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run() {
+    for (;;) {
+      const int64_t it = next.fetch_add(1);
+      if (it >= n_items) return;
+      // Largest first: later blocks of a causal prefill see the most keys.
+      const int64_t b = (n_items - 1 - it) / pb.Hkv, h = (n_items - 1 - it) % pb.Hkv;
+      fn(pb, b, h);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> layer,
+                ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> slot_pos,
+                ffi::Buffer<ffi::S32> blk, ffi::Buffer<ffi::S32> win,
+                ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                int64_t has_window, int64_t has_sinks) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 5)
+    return ffi::Error::InvalidArgument("akv_cpu_attention: q [T,Hq,Dh], pools [L,P,ps,Hkv,Dh]");
+  auto work = std::make_shared<Work>();
+  Problem& pb = work->pb;
+  pb.T = qd[0];
+  pb.Hq = qd[1];
+  pb.Dh = qd[2];
+  pb.ps = kd[2];
+  pb.Hkv = kd[3];
+  pb.G = pb.Hq / pb.Hkv;
+  pb.MPp = pages.dimensions()[1];
+  pb.block_q = win.dimensions()[1];
+  pb.sm_scale = sm_scale;
+  const int64_t L = kd[0], P = kd[1];
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("akv_cpu_attention: layer");
+  if (pb.Dh % W || pb.Dh / W > 16 || kd[4] != pb.Dh || pb.Hq % pb.Hkv)
+    return ffi::Error::InvalidArgument("akv_cpu_attention: head_dim must be 16..256, x16");
+  const int64_t layer_size = P * pb.ps * pb.Hkv * pb.Dh;
+  pb.q = q.typed_data();
+  pb.k = k_pages.typed_data() + li * layer_size;
+  pb.v = v_pages.typed_data() + li * layer_size;
+  pb.pages = pages.typed_data();
+  pb.slot_pos = slot_pos.typed_data();
+  pb.blk = blk.typed_data();
+  pb.win = has_window ? win.typed_data() : nullptr;
+  pb.sinks = has_sinks ? sinks.typed_data() : nullptr;
+  pb.out = out->typed_data();
+  std::memset(pb.out, 0, sizeof(float) * pb.T * pb.Hq * pb.Dh);  // rows no block covers
+  work->fn = pick<1>(pb.Dh / W);
+  work->n_items = blk.dimensions()[0] * pb.Hkv;
+
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->n_items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->n_items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuAttention, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // blk
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // win
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("has_window")
+                                  .Attr<int64_t>("has_sinks"));

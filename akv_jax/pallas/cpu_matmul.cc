@@ -1,0 +1,184 @@
+// Few-row matrix products for XLA:CPU: y[M, N] = x[M, K] @ w[K, N] for M <= 16 (decode steps),
+// the CPU kernel of akv_jax.pallas.cpu_matmul.
+//
+// A decode step streams every weight once; with 1 row XLA runs a matrix-vector product at the
+// memory's speed, but from 2 to 16 rows its small-GEMM path is compute-bound (SmolLM2's MLP
+// weights: 11.9 ms at 1 row, 22.0 ms at 8). Here w is read once, in blocks of KB whole rows
+// (sequential memory, which the prefetcher follows), each row's 32-column pieces multiplied
+// into register accumulators for up to 8 rows of x; partial sums live in y between blocks.
+// Columns are split across XLA's intra-op threads. A second entry point takes w as [N, K]
+// (a tied embedding used as the output head), whose rows are contiguous already.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int W = 16;   // floats per vector
+constexpr int PIECE = 32;  // columns per piece handed to a thread (whole pieces each)
+constexpr int KB = 1 << 30;  // rows of w per block
+constexpr int MT = 8;   // rows of x per register tile (x 2 vectors of columns)
+constexpr int PD = 32;  // rows of w prefetched ahead
+
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+
+inline vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// Columns [c0, c1) (multiples of 32 apart from the last piece) of rows [m0, m0 + MR).
+template <int MR, int NC = 2>
+void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
+          int64_t c0, int64_t c1) {
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + KB);
+    int64_t c = c0;
+    for (; c + NC * W <= c1; c += NC * W) {
+      vf acc[MR][NC];
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NC; ++n)
+          acc[m][n] = k0 == 0 ? vf{} : vload(y + (m0 + m) * N + c + n * W);
+      for (int64_t k = k0; k < k1; ++k) {
+        // The rows are N floats apart, past what the hardware's stride prefetcher follows.
+        for (int n = 0; n < NC; ++n) __builtin_prefetch(w + (k + PD) * N + c + n * W);
+        vf wk[NC];
+        for (int n = 0; n < NC; ++n) wk[n] = vload(w + k * N + c + n * W);
+        for (int m = 0; m < MR; ++m) {
+          const vf xm = splat(x[(m0 + m) * K + k]);
+          for (int n = 0; n < NC; ++n) acc[m][n] += xm * wk[n];
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NC; ++n) vstore(y + (m0 + m) * N + c + n * W, acc[m][n]);
+    }
+    for (; c < c1; ++c) {  // a last piece narrower than 32 columns
+      for (int m = 0; m < MR; ++m) {
+        float a = k0 == 0 ? 0.f : y[(m0 + m) * N + c];
+        for (int64_t k = k0; k < k1; ++k) a += x[(m0 + m) * K + k] * w[k * N + c];
+        y[(m0 + m) * N + c] = a;
+      }
+    }
+  }
+}
+
+// y[m, n] = dot(x[m], w[n]) for w [N, K] (a tied embedding as the output head): each row of
+// w is contiguous, read once, for MR rows of x.
+template <int MR>
+void tile_nt(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
+             int64_t c0, int64_t c1) {
+  for (int64_t n = c0; n < c1; ++n) {
+    const float* wn = w + n * K;
+    vf acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = vf{};
+    int64_t k = 0;
+    for (; k + W <= K; k += W) {
+      const vf wv = vload(wn + k);
+      for (int m = 0; m < MR; ++m) acc[m] += vload(x + (m0 + m) * K + k) * wv;
+    }
+    for (int m = 0; m < MR; ++m) {
+      float a = 0.f;
+      for (int64_t kk = k; kk < K; ++kk) a += x[(m0 + m) * K + kk] * wn[kk];
+      for (int step = W / 2; step >= 1; step /= 2)
+        for (int i = 0; i < step; ++i) acc[m][i] += acc[m][i + step];
+      y[(m0 + m) * N + n] = acc[m][0] + a;
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                        int64_t);
+constexpr TileFn kTiles[MT + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                   tile<5>, tile<6>, tile<7>, tile<8>};
+constexpr TileFn kTilesNT[MT + 1] = {nullptr,    tile_nt<1>, tile_nt<2>, tile_nt<3>, tile_nt<4>,
+                                     tile_nt<5>, tile_nt<6>, tile_nt<7>, tile_nt<8>};
+
+struct Work {
+  const float* x;
+  const float* w;
+  float* y;
+  const TileFn* tiles;
+  int64_t M, K, N, parts;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run() {
+    for (;;) {
+      const int64_t part = next.fetch_add(1);
+      if (part >= parts) return;
+      // Column ranges in whole 32-column pieces; the last takes the remainder.
+      const int64_t pieces = (N + PIECE - 1) / PIECE;
+      const int64_t c0 = std::min(N, pieces * part / parts * PIECE);
+      const int64_t c1 = part + 1 == parts ? N : std::min(N, pieces * (part + 1) / parts * PIECE);
+      for (int64_t m0 = 0; m0 < M; m0 += MT)
+        tiles[std::min<int64_t>(MT, M - m0)](x, w, y, K, N, m0, c0, c1);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M,
+               int64_t K, int64_t N, const TileFn* tiles) {
+  auto work = std::make_shared<Work>();
+  work->x = x;
+  work->w = w;
+  work->y = y;
+  work->tiles = tiles;
+  work->M = M;
+  work->K = K;
+  work->N = N;
+  if (K == 0) {
+    std::memset(y, 0, sizeof(float) * M * N);
+    return ffi::Error::Success();
+  }
+  const int64_t pieces = (N + PIECE - 1) / PIECE;
+  work->parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), pieces));
+  for (int64_t i = 1; i < work->parts; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->parts) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+// x [M, K] @ w [K, N]
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("akv_cpu_matmul: x [M, K] @ w [K, N]");
+  return Run(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1], kTiles);
+}
+
+// x [M, K] @ w [N, K]^T
+ffi::Error ImplNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("akv_cpu_matmul_nt: x [M, K] @ w [N, K]^T");
+  return Run(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0],
+             kTilesNT);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuMatmul, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuMatmulNT, ImplNT,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

@@ -1,0 +1,131 @@
+"""The fused XLA:CPU attention kernel (akv_jax/pallas/cpu_attention.cc) against the jnp
+reference and the float64 numpy oracle, and the dispatcher's choice between it and the
+chunked jnp path."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pallas_cases as cases
+import pytest
+from test_pallas_attention import _assert_close, dense_oracle, make
+
+from akv_jax.pallas import cpu_attention, cpu_ffi
+from akv_jax.pallas.chunked import segment_attention_chunked
+from akv_jax.pallas.cpu_attention import segment_attention_cpu
+from akv_jax.pallas.dispatch import make_attention_fn
+from akv_jax.pallas.metadata import SegmentSpec, build_segment_batch
+from akv_jax.pallas.reference import segment_attention_reference
+
+
+def test_kernel_builds_here():
+    """CI's machines have a C++ compiler: the kernel must build and register there, not fall
+    back to the jnp path unnoticed."""
+    assert shutil.which("g++") or shutil.which("c++"), "no C++ compiler on this machine"
+    assert cpu_attention.available()
+
+
+# Head dims 16 (one vector a row), 64 (SmolLM2, GPT-OSS) and 80 (not a power of two);
+# groups 4 (decode rows fill one register tile) and 1.
+@pytest.mark.parametrize("kind", ["decode", "prefill", "restore", "long"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_kernel_matches_reference(kind, page_size):
+    case = make(kind, page_size=page_size)
+    for head_dim, group in ((16, 4), (64, 1), (80, 3)):
+        q, k, v, batch = cases.materialize(
+            case, np.random.default_rng(2), num_kv_heads=2, group=group, head_dim=head_dim
+        )
+        scale = head_dim**-0.5
+        want = segment_attention_reference(q, k, v, batch, block_q=case.block_q, sm_scale=scale)
+        fn = functools.partial(segment_attention_cpu, block_q=case.block_q, sm_scale=scale)
+        got = jax.jit(fn)(q, k, v, batch)
+        _assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 33])
+def test_kernel_sinks_and_window_match_oracle(window):
+    case = make("restore", page_size=16)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(1), num_kv_heads=2, group=3, head_dim=16
+    )
+    sinks = jnp.linspace(-1.0, 2.0, 6)
+    got = segment_attention_cpu(q, k, v, batch, block_q=case.block_q, sm_scale=0.25,
+                                sinks=sinks, sliding_window=window)
+    want = dense_oracle(q, k, v, case.specs, 16, 0.25, sinks=sinks, window=window)
+    _assert_close(got, want, jnp.float32)
+
+
+def test_kernel_tiles_nan_pool_and_padding_segments():
+    """Views longer than one 128-key tile whose block ranges start past page 0 (window), a
+    dropped span in the middle of a tile, a padding segment, pool slots outside every view
+    holding NaN, and rows past a block's q_len: against the reference, on a stacked pool."""
+    ps, Hkv, G, Dh, block_q = 4, 2, 3, 16, 8
+    rng = np.random.default_rng(7)
+    P = 120
+    k = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
+    v = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
+    k[100:], v[100:] = np.nan, np.nan  # never part of a view
+    vis_b = np.ones(118, bool)
+    vis_b[40:57] = False  # dropped span
+    segs = [
+        SegmentSpec(q_start=0, q_len=30, pages=list(range(0, 70)), kv_visible=np.ones(279, bool),
+                    causal_pos=249),
+        SegmentSpec(q_start=30, q_len=13, pages=list(range(70, 100)), kv_visible=vis_b,
+                    causal_pos=105),
+    ]
+    batch = build_segment_batch(segs, page_size=ps, block_q=block_q, num_segments=4,
+                                max_pages=80)
+    q = jnp.asarray(rng.standard_normal((48, Hkv * G, Dh)).astype(np.float32))
+    noise = jnp.asarray(rng.standard_normal(k.shape).astype(np.float32))
+    k_all = jnp.stack([noise, jnp.asarray(k)])
+    v_all = jnp.stack([noise, jnp.asarray(v)])
+    sinks = jnp.linspace(-1.0, 1.0, Hkv * G)
+    for w, s in ((None, None), (9, sinks), (130, None)):
+        want = segment_attention_reference(q, jnp.asarray(k), jnp.asarray(v), batch,
+                                           block_q=block_q, sm_scale=0.3, sinks=s,
+                                           sliding_window=w)
+        got = segment_attention_cpu(q, k_all, v_all, batch, block_q=block_q, sm_scale=0.3,
+                                    sinks=s, sliding_window=w, layer=jnp.int32(1))
+        _assert_close(got[:43], want[:43], jnp.float32)
+        assert not np.asarray(got[43:]).any(), "rows no block covers come out as zeros"
+
+
+def _ffi_targets(fn, *args) -> str:
+    # A new function each time: make_jaxpr caches traces by function and argument types.
+    return str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
+
+
+def test_dispatch_auto_uses_kernel_and_falls_back(monkeypatch):
+    """"auto" on the CPU runs the kernel for float32; bfloat16, or the kernel switched off,
+    runs the chunked jnp path, with the same answer."""
+    case = make("prefill", page_size=16)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(3), num_kv_heads=2, group=3, head_dim=16
+    )
+    fn = make_attention_fn("auto", block_q=case.block_q, sm_scale=0.25, platform="cpu")
+    assert cpu_attention.TARGET in _ffi_targets(fn, q, k, v, batch)
+    want = segment_attention_reference(q, k, v, batch, block_q=case.block_q, sm_scale=0.25)
+    _assert_close(fn(q, k, v, batch), want, jnp.float32)
+
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    assert cpu_attention.TARGET not in _ffi_targets(fn, qb, kb, vb, batch)
+    chunked = segment_attention_chunked(qb, kb, vb, batch, block_q=case.block_q,
+                                        sm_scale=0.25)
+    np.testing.assert_array_equal(np.asarray(fn(qb, kb, vb, batch), np.float32),
+                                  np.asarray(chunked, np.float32))
+
+    monkeypatch.setenv("AKV_JAX_CPU_KERNEL", "0")
+    cpu_ffi.reset()
+    try:
+        assert not cpu_attention.available()
+        assert cpu_attention.TARGET not in _ffi_targets(fn, q, k, v, batch)
+        with pytest.raises(RuntimeError, match="not available"):
+            segment_attention_cpu(q, k, v, batch, block_q=case.block_q, sm_scale=0.25)
+    finally:
+        monkeypatch.delenv("AKV_JAX_CPU_KERNEL")
+        cpu_ffi.reset()
+    assert cpu_attention.available()

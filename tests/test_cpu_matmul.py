@@ -1,0 +1,101 @@
+"""The few-row XLA:CPU matmul kernel (akv_jax/pallas/cpu_matmul.cc) against float64 numpy,
+and where :func:`akv_jax.model.forward.project` uses it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from akv_jax.model.forward import project
+from akv_jax.pallas import cpu_matmul
+
+
+def test_kernel_builds_here():
+    assert cpu_matmul.available()
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("k,n", [(64, 96), (37, 70), (1, 33), (130, 16)])
+def test_matches_float64(rows, k, n):
+    """Row counts in one and two register tiles, column counts with a piece narrower than 32
+    (70, 33, 16), and every thread's share of a few columns."""
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    got = np.asarray(jax.jit(cpu_matmul.few_row_matmul)(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    # w as [N, K] (a tied embedding as the output head)
+    got = np.asarray(jax.jit(cpu_matmul.few_row_matmul_nt)(jnp.asarray(x), jnp.asarray(w.T)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_gradient_is_the_matmuls():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 24)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((24, 40)).astype(np.float32))
+
+    def loss(mm):
+        return lambda x, w: jnp.sum(jnp.sin(mm(x, w)))
+
+    wx, ww = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
+    gx, gw = jax.grad(loss(cpu_matmul.few_row_matmul), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw, ww, rtol=1e-5, atol=1e-5)
+    nt = lambda x, wt: cpu_matmul.few_row_matmul_nt(x, wt)  # noqa: E731
+    gx, gwt = jax.grad(loss(nt), argnums=(0, 1))(x, w.T)
+    np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gwt, ww.T, rtol=1e-5, atol=1e-5)
+
+
+EQS = [  # every projection form of the model (forward.py)
+    ("td,dhk->thk", (12,), (12, 3, 16)),
+    ("thk,hkd->td", (3, 16), (3, 16, 20)),
+    ("td,df->tf", (20,), (20, 48)),
+    ("tf,fd->td", (48,), (48, 20)),
+]
+
+
+@pytest.mark.parametrize("eq,x_in,w_shape", EQS, ids=[e[0] for e in EQS])
+def test_project_takes_kernel_for_few_float32_rows(eq, x_in, w_shape):
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal(w_shape).astype(np.float32))
+    for rows, dtype, kernel in ((8, jnp.float32, True), (2, jnp.float32, True),
+                                (1, jnp.float32, False), (64, jnp.float32, False),
+                                (8, jnp.bfloat16, False)):
+        x = jnp.asarray(rng.standard_normal((rows, *x_in)).astype(np.float32), dtype)
+        wd = w.astype(dtype)
+        jaxpr = str(jax.make_jaxpr(lambda x, w: project(eq, x, w))(x, wd))
+        assert (cpu_matmul.TARGET in jaxpr) == kernel, (rows, dtype)
+        got = project(eq, x, wd)
+        want = np.einsum(eq, np.asarray(x, np.float64), np.asarray(wd, np.float64))
+        tol = 1e-5 if dtype == jnp.float32 else 5e-2
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol,
+                                   atol=tol * np.sqrt(np.prod(x_in)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_output_head_takes_kernel_for_decode_rows(tied):
+    """The vocabulary projection of 8 float32 rows runs the kernel (tied: the embedding as
+    [V, D]), of 64 rows XLA's matmul; both equal XLA's one-row products."""
+    import dataclasses
+
+    from akv_jax.model.config import tiny_config
+    from akv_jax.model.forward import lm_logits
+    from akv_jax.model.params import init_params
+
+    cfg = dataclasses.replace(tiny_config(), tie_word_embeddings=tied)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    assert (params.lm_head is None) == tied
+    for rows, kernel in ((8, True), (64, False)):
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size)),
+                        jnp.float32)
+        jaxpr = str(jax.make_jaxpr(lambda x: lm_logits(params, cfg, x))(x))
+        target = cpu_matmul.TARGET_NT if tied else cpu_matmul.TARGET
+        assert (target in jaxpr) == kernel
+        got = lm_logits(params, cfg, x)
+        # One row at a time: XLA's matrix-vector product, no kernel.
+        want = jax.vmap(lambda r: lm_logits(params, cfg, r[None])[0])(x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
