@@ -115,7 +115,10 @@ def _assert_clean(eng: Engine) -> None:
 
 
 class _Poisoned:
-    """A forward result whose read fails, as an asynchronously dispatched forward does."""
+    """A forward result whose read fails, as an asynchronously dispatched forward does:
+    each of its arrays (logits, greedy summary) raises when it reaches the host."""
+
+    logits = greedy = greedy_logprob = ok = property(lambda self: self)
 
     def __array__(self, *args, **kwargs):
         raise RuntimeError(f"{BOOM}: device lost")
@@ -142,7 +145,7 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
         after(stage)
     elif stage == "decode_pass":
         after(stage, lambda r: len(r.generated) == 2)  # it holds a fresh generation page
-    elif stage == "_sample":
+    elif stage == "_emit":  # every generated token, sampled on the host or greedy
         after(stage, lambda r: len(r.generated) == 3)  # mid-generation, not finishing
     elif stage == "_finish":
         real = eng._finish
@@ -171,7 +174,7 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
 
 
 STAGES = ["build_path", "choose_compute", "lay_out", "_take_slice", "decode_pass",
-          "_sample", "_finish", "prefill", "decode", "decode-async"]
+          "_emit", "_finish", "prefill", "decode", "decode-async"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -202,7 +205,7 @@ def test_a_fault_fails_only_the_requests_it_touches(tiny, solo, stage):
     # without the fault, then a flush frees every page.
     for owner in (eng, eng.planner, eng.executor):
         for name in ("build_path", "choose_compute", "lay_out", "_take_slice", "decode_pass",
-                     "_sample", "_finish", "run"):
+                     "_emit", "_finish", "run"):
             vars(owner).pop(name, None)  # the class's method again
     again = _drive(eng, staged=False)
     for rid, evs in again.items():

@@ -19,6 +19,7 @@ layer, and scattered to their destination slots.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,10 +83,11 @@ class DeviceGroup:
         attention,
         rows: np.ndarray,
         unrolled: bool = False,
-    ) -> jax.Array:
-        """Run one step; returns the logits (still on device, so dispatch stays async).
-        ``unrolled``: run the layers unrolled where the group keeps per-layer weights."""
-        logits, kv = _forward_step(
+    ) -> StepLogits:
+        """Run one step; returns its logits rows and their greedy summary (still on device,
+        so dispatch stays async). ``unrolled``: run the layers unrolled where the group keeps
+        per-layer weights."""
+        out, kv = _forward_step(
             self.params,
             self.cfg,
             jnp.asarray(tokens),
@@ -100,11 +102,11 @@ class DeviceGroup:
             layer_list=self.layer_list if unrolled else None,
         )
         self.kv = kv
-        if not logits.is_fully_addressable:  # a mesh over several processes (multi-host)
+        if not out.logits.is_fully_addressable:  # a mesh over several processes (multi-host)
             from jax.experimental import multihost_utils
 
-            logits = multihost_utils.process_allgather(logits, tiled=True)
-        return logits
+            out = StepLogits(*(multihost_utils.process_allgather(a, tiled=True) for a in out))
+        return out
 
     def rerotate_copy(self, copies: list[tuple[int, int, int, int]], rope: RopeTable) -> None:
         """Copy (src slot, dst slot, old pos, new pos) entries, keys re-rotated."""
@@ -135,6 +137,28 @@ def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None
     dst.kv = scatter_pages(dst.kv, jnp.asarray(idx), k, v)
 
 
+class StepLogits(NamedTuple):
+    """A step's logits rows [R, V] and, computed inside the step so that a greedy request
+    needs only these few numbers on the host, each row's greedy token (the first index of
+    its largest logit), that token's log-probability under the row's log-softmax, and
+    whether the row is usable (no NaN or +inf, a finite value): rows that are not go to the
+    host sampler, which raises its error."""
+
+    logits: jax.Array
+    greedy: jax.Array  # [R] int32
+    greedy_logprob: jax.Array  # [R] float32
+    ok: jax.Array  # [R] bool
+
+
+def greedy_rows(logits: jax.Array) -> StepLogits:
+    logits = logits.astype(jnp.float32)
+    ok = ~jnp.any(jnp.isnan(logits) | jnp.isposinf(logits), axis=-1)
+    ok &= jnp.any(jnp.isfinite(logits), axis=-1)
+    m = jnp.max(logits, axis=-1)
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
+    return StepLogits(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), m - lse, ok)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh"), donate_argnums=(4,))
 def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows,
                   mesh=None, layer_list=None):
@@ -142,10 +166,13 @@ def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention
     so that the Pallas kernels run per head shard (see ``dispatch._per_head_shard``).
     ``layer_list``: per-layer weights to run the layers unrolled (``forward``)."""
     if mesh is None:
-        return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows,
-                       layer_list)
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows)
+        logits, kv = forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention,
+                             rows, layer_list)
+    else:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            logits, kv = forward(params, cfg, tokens, q_pos, kv, writes, batch, rope,
+                                 attention, rows)
+    return greedy_rows(logits), kv
 
 
 @functools.partial(jax.jit, static_argnames=("repos", "mesh"), donate_argnums=(0,))

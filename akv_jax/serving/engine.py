@@ -52,7 +52,7 @@ from akv_jax.serving.executor import Executor
 from akv_jax.serving.multihost import MultihostError, digest, is_peer_loss, peer_failure
 from akv_jax.serving.planner import Planner, PoolTooSmall
 from akv_jax.serving.radix import request_keys
-from akv_jax.serving.sampler import make_rng, sample
+from akv_jax.serving.sampler import invalid_param, make_rng, sample
 from akv_jax.serving.types import GenerateRequest, TokenEvent, describe_error
 from akv_jax.serving.work import Pass, RequestState
 
@@ -382,19 +382,27 @@ class Engine:
         results = []
         for what, work, out in parts:
             try:
-                results.append((work, np.asarray(out)))  # a failed dispatch surfaces here
+                # The greedy summary only (a few numbers a row); a failed dispatch surfaces
+                # here. Full logits rows come to the host for the rows that sample.
+                greedy = (np.asarray(out.greedy), np.asarray(out.greedy_logprob),
+                          np.asarray(out.ok))
+                results.append((work, out, greedy))
             except Exception as e:
                 events.extend(self._forward_failed(work, e, what))
-        for work, logits in results:
+        for work, out, (toks, lps, oks) in results:
             with_logits = [r for r, p in work if p.logits_row >= 0]
-            for r, row in zip(with_logits, logits, strict=True):
+            for i, r in enumerate(with_logits):
                 try:
                     if r.status == "prefill":
                         self._prefill_done(r)
                         if r.resumed:  # its next token was sampled before it was preempted
                             r.resumed = False
                             continue
-                    events.extend(self._sample(r, np.asarray(row)))
+                    sp = r.req.sampling
+                    if sp.temperature == 0 and oks[i] and invalid_param(sp) is None:
+                        events.extend(self._emit(r, int(toks[i]), float(lps[i])))
+                    else:
+                        events.extend(self._sample(r, np.asarray(out.logits[i])))
                 except Exception as e:
                     events.append(self._failed(r, e, "sampling"))
         return events
@@ -488,8 +496,13 @@ class Engine:
     # ------------------------------------------------------------------ sampling
     def _sample(self, r: RequestState, logits: np.ndarray) -> list[TokenEvent]:
         """Sample ``r``'s next token (math in sampler.py) and decide whether it finishes."""
+        tok, logprob = sample(logits, r.req.sampling, r.rng)
+        return self._emit(r, tok, logprob)
+
+    def _emit(self, r: RequestState, tok: int, logprob: float) -> list[TokenEvent]:
+        """``r`` generated ``tok`` (sampled on the host, or greedy from the step's summary,
+        which is the same token: the first index of the largest logit)."""
         sp = r.req.sampling
-        tok, logprob = sample(logits, sp, r.rng)
         r.generated.append(tok)
         lp = logprob if r.req.return_logprob else None
         reason = None

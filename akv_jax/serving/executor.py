@@ -22,7 +22,7 @@ from akv_jax.model.forward import KVWrites, make_model_attention
 from akv_jax.model.params import Params, make_mesh
 from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
-from akv_jax.serving.device_group import DeviceGroup, transfer_pages
+from akv_jax.serving.device_group import DeviceGroup, StepLogits, transfer_pages
 from akv_jax.serving.host_tier import HostKV
 from akv_jax.serving.work import Pass, RequestState
 
@@ -144,10 +144,10 @@ class Executor:
     def disaggregated(self) -> bool:
         return self.prefill is not self.decode
 
-    def run_prefill(self, work: Work) -> jax.Array:
+    def run_prefill(self, work: Work) -> StepLogits:
         return self.run(self.prefill, work, PREFILL_BLOCK_Q)
 
-    def run_decode(self, work: Work) -> jax.Array:
+    def run_decode(self, work: Work) -> StepLogits:
         return self.run(self.decode, work, DECODE_BLOCK_Q)
 
     def to_decode(self, pages: list[int]) -> None:
@@ -170,8 +170,9 @@ class Executor:
         groups = [self.prefill, self.decode] if self.disaggregated else [self.prefill]
         self.host.reload(groups, host_pages, device_pages)
 
-    def run(self, group: DeviceGroup, work: Work, block_q: int) -> jax.Array:
-        """Dispatch one forward over ``work`` on ``group``; returns its logits rows (lazy)."""
+    def run(self, group: DeviceGroup, work: Work, block_q: int) -> StepLogits:
+        """Dispatch one forward over ``work`` on ``group``; returns its logits rows (lazy;
+        row ``i`` belongs to the ``i``-th pass with a logits row, then padding)."""
         ps = self.page_size
         tokens, q_pos, writes, segs, copies, rows = [], [], [], [], [], []
         for _, p in work:
@@ -214,11 +215,10 @@ class Executor:
         row_arr = np.zeros(T if block_q == 1 else bucket(len(rows), 8), np.int32)
         row_arr[: len(rows)] = rows
         writes_arr = KVWrites(slots=jnp.asarray(slot_arr), positions=jnp.asarray(pos_arr))
-        logits = group.forward(
+        return group.forward(
             tok_arr, qp, writes_arr, batch, self.rope, self._attn[block_q], row_arr,
             unrolled=block_q == DECODE_BLOCK_Q,
         )
-        return logits[: len(rows)]
 
     def warm_up_shapes(self, prefill_chunk: int, max_running: int) -> int:
         """Run every step shape of the common path once, so no request pays for a compile
