@@ -1,11 +1,12 @@
-"""Segment-batch attention in plain jnp whose work follows the visible KV: the CPU fast path.
+"""Segment-batch attention in plain jnp whose work follows the visible KV: the CPU fallback.
 
 The reference (reference.py) is written for clarity: every query block scores its whole
 view, masked. This version reads, for each block, only the compacted run of visible pages
 that :func:`akv_jax.pallas.plan.plan_pages` gives it (dropped pages and pages past the causal
 end are never touched), ``pages_per_chunk`` pages per step of a ``fori_loop`` with a dynamic
 trip count, with an online softmax. Same semantics as the reference (tests compare them);
-``--attention-backend auto`` uses it on the CPU, where there is no Pallas lowering.
+``--attention-backend auto`` uses it on the CPU where the fused C++ kernel
+(cpu_attention.py) cannot run: no compiler, not float32, or a tensor-parallel mesh.
 
 Two loops over the same plan, chosen by ``block_q`` (static):
 
