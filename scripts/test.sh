@@ -14,9 +14,10 @@ aot_build=$!
 # the suite is single-threaded (XLA compiles, Pallas interpret mode), and a module keeps its
 # fixtures in one process.
 workers="${AKV_TEST_WORKERS:-2}"
-"$py" -m pytest -q -ra -n "$workers" --dist loadfile "$@"
+# --durations: the slowest tests in the log, to keep the suite inside CI's 30 minutes.
+"$py" -m pytest -q -ra -n "$workers" --dist loadfile --durations=25 "$@"
 XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra \
-  -n "$workers" --dist loadfile -m "multidevice and not slow" \
+  -n "$workers" --dist loadfile --durations=15 -m "multidevice and not slow" \
   tests/
 # Deviceless compiles for every GPU and TPU target (own venv, own processes): fails CI when a
 # target rejects a kernel or the serving step.

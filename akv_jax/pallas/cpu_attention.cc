@@ -2,7 +2,7 @@
 //
 // Same semantics as akv_jax/pallas/reference.py (the module's tests compare them); the work
 // follows the visible KV like chunked.py: each query block reads only its segment's compacted
-// visible pages (plan.py's PagePlan) straight from the paged pool, 64 keys a tile, with an
+// visible pages (plan.py's PagePlan) straight from the paged pool, 128 keys a tile, with an
 // online softmax whose scores, exponentials and probabilities stay in registers and a few
 // KB of stack. A jnp loop cannot do that on the CPU: XLA runs each element-wise pass of the
 // softmax over memory, which cost more than both matmuls (chunked.py's notes).
