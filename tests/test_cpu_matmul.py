@@ -1,7 +1,9 @@
-"""The few-row XLA:CPU matmul kernel (akv_jax/pallas/cpu_matmul.cc) against float64 numpy,
-and where :func:`akv_jax.model.forward.project` uses it."""
+"""The XLA:CPU matmul kernels (akv_jax/pallas/cpu_matmul.cc: few rows; cpu_gemm.cc: many)
+against float64 numpy, and where :func:`akv_jax.model.forward.project` uses them."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,10 @@ import pytest
 
 from akv_jax.model.forward import project
 from akv_jax.pallas import cpu_matmul
+
+
+def ffi_targets(jaxpr: str) -> set[str]:
+    return set(re.findall(r"target_name=(\w+)", jaxpr))
 
 
 def test_kernel_builds_here():
@@ -25,11 +31,42 @@ def test_matches_float64(rows, k, n):
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
     want = x.astype(np.float64) @ w.astype(np.float64)
-    got = np.asarray(jax.jit(cpu_matmul.few_row_matmul)(jnp.asarray(x), jnp.asarray(w)))
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), jnp.asarray(w)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
     # w as [N, K] (a tied embedding as the output head)
-    got = np.asarray(jax.jit(cpu_matmul.few_row_matmul_nt)(jnp.asarray(x), jnp.asarray(w.T)))
+    got = np.asarray(jax.jit(cpu_matmul.matmul_nt)(jnp.asarray(x), jnp.asarray(w.T)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("rows,k,n", [
+    (17, 64, 96),     # one micro-panel of 14 rows and a short one
+    (29, 37, 70),     # a panel narrower than 32 columns
+    (200, 130, 16),   # several row chunks (168 rows each), one narrow panel
+    (40, 2100, 33),   # two slices of k: the second extends the first's partial sums
+])
+def test_gemm_matches_float64(rows, k, n):
+    rng = np.random.default_rng(rows + k + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """Each output is one fused multiply-add chain in the order of k in both kernels: a row's
+    bits are the same alone in a few-row call, among 16, or in a GEMM of 300 rows at any
+    position."""
+    rng = np.random.default_rng(7)
+    k, n = 2100, 48
+    x = jnp.asarray(rng.standard_normal((300, k)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32))
+    mm = jax.jit(cpu_matmul.matmul)
+    full = np.asarray(mm(x, w))
+    np.testing.assert_array_equal(np.asarray(mm(x[:2], w)), full[:2])
+    np.testing.assert_array_equal(np.asarray(mm(x[:16], w)), full[:16])
+    np.testing.assert_array_equal(np.asarray(mm(x[290:], w)), full[290:])
+    np.testing.assert_array_equal(np.asarray(mm(x[::-1], w)), full[::-1])
 
 
 def test_gradient_is_the_matmuls():
@@ -41,10 +78,10 @@ def test_gradient_is_the_matmuls():
         return lambda x, w: jnp.sum(jnp.sin(mm(x, w)))
 
     wx, ww = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
-    gx, gw = jax.grad(loss(cpu_matmul.few_row_matmul), argnums=(0, 1))(x, w)
+    gx, gw = jax.grad(loss(cpu_matmul.matmul), argnums=(0, 1))(x, w)
     np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gw, ww, rtol=1e-5, atol=1e-5)
-    nt = lambda x, wt: cpu_matmul.few_row_matmul_nt(x, wt)  # noqa: E731
+    nt = lambda x, wt: cpu_matmul.matmul_nt(x, wt)  # noqa: E731
     gx, gwt = jax.grad(loss(nt), argnums=(0, 1))(x, w.T)
     np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gwt, ww.T, rtol=1e-5, atol=1e-5)
@@ -59,16 +96,19 @@ EQS = [  # every projection form of the model (forward.py)
 
 
 @pytest.mark.parametrize("eq,x_in,w_shape", EQS, ids=[e[0] for e in EQS])
-def test_project_takes_kernel_for_few_float32_rows(eq, x_in, w_shape):
+def test_project_takes_kernels_for_float32_rows(eq, x_in, w_shape):
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal(w_shape).astype(np.float32))
-    for rows, dtype, kernel in ((8, jnp.float32, True), (2, jnp.float32, True),
-                                (1, jnp.float32, False), (64, jnp.float32, False),
-                                (8, jnp.bfloat16, False)):
+    for rows, dtype, target in ((8, jnp.float32, cpu_matmul.TARGET),
+                                (2, jnp.float32, cpu_matmul.TARGET),
+                                (1, jnp.float32, None),
+                                (64, jnp.float32, None),
+                                (cpu_matmul.MIN_GEMM_ROWS, jnp.float32, cpu_matmul.TARGET_GEMM),
+                                (8, jnp.bfloat16, None)):
         x = jnp.asarray(rng.standard_normal((rows, *x_in)).astype(np.float32), dtype)
         wd = w.astype(dtype)
         jaxpr = str(jax.make_jaxpr(lambda x, w: project(eq, x, w))(x, wd))
-        assert (cpu_matmul.TARGET in jaxpr) == kernel, (rows, dtype)
+        assert ffi_targets(jaxpr) == ({target} if target else set()), (rows, dtype)
         got = project(eq, x, wd)
         want = np.einsum(eq, np.asarray(x, np.float64), np.asarray(wd, np.float64))
         tol = 1e-5 if dtype == jnp.float32 else 5e-2
@@ -78,8 +118,9 @@ def test_project_takes_kernel_for_few_float32_rows(eq, x_in, w_shape):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_output_head_takes_kernel_for_decode_rows(tied):
-    """The vocabulary projection of 8 float32 rows runs the kernel (tied: the embedding as
-    [V, D]), of 64 rows XLA's matmul; both equal XLA's one-row products."""
+    """The vocabulary projection of 8 float32 rows runs the few-row kernel (tied: the
+    embedding as [V, D]); of 64 rows XLA's matmul; of MIN_GEMM_ROWS the GEMM (untied) or
+    XLA's matmul (tied); all equal XLA's one-row products."""
     import dataclasses
 
     from akv_jax.model.config import tiny_config
@@ -89,12 +130,13 @@ def test_output_head_takes_kernel_for_decode_rows(tied):
     cfg = dataclasses.replace(tiny_config(), tie_word_embeddings=tied)
     params = init_params(cfg, jax.random.PRNGKey(0))
     assert (params.lm_head is None) == tied
-    for rows, kernel in ((8, True), (64, False)):
+    few = cpu_matmul.TARGET_NT if tied else cpu_matmul.TARGET
+    for rows, target in ((8, few), (64, None),
+                         (cpu_matmul.MIN_GEMM_ROWS, None if tied else cpu_matmul.TARGET_GEMM)):
         x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size)),
                         jnp.float32)
         jaxpr = str(jax.make_jaxpr(lambda x: lm_logits(params, cfg, x))(x))
-        target = cpu_matmul.TARGET_NT if tied else cpu_matmul.TARGET
-        assert (target in jaxpr) == kernel
+        assert ffi_targets(jaxpr) == ({target} if target else set()), rows
         got = lm_logits(params, cfg, x)
         # One row at a time: XLA's matrix-vector product, no kernel.
         want = jax.vmap(lambda r: lm_logits(params, cfg, r[None])[0])(x)

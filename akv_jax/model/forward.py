@@ -128,9 +128,10 @@ jax.tree_util.register_dataclass(Adapted, data_fields=["base", "a", "b"], meta_f
 
 def project(eq: str, x: jax.Array, w) -> jax.Array:
     """``einsum(eq, x, w)`` for a projection weight ``w`` (contracting every non-token axis
-    of ``x``), or its :class:`Adapted` form. A decode step's few rows on the CPU take the
-    few-row kernel (:mod:`akv_jax.pallas.cpu_matmul`: XLA's small-GEMM path is
-    compute-bound where a decode step should run at the memory's speed)."""
+    of ``x``), or its :class:`Adapted` form. Float32 rows on the CPU take the kernels of
+    :mod:`akv_jax.pallas.cpu_matmul` (a decode step's few rows: XLA's small-GEMM path is
+    compute-bound where they should run at the memory's speed; a prefill's many: a blocked
+    GEMM whose rows do not depend on the batch around them)."""
     if not isinstance(w, Adapted):
         xs, rest = eq.split(",")
         ws, out = rest.split("->")
@@ -140,7 +141,7 @@ def project(eq: str, x: jax.Array, w) -> jax.Array:
             x2 = x.reshape(x.shape[0], -1)
             w2 = w.reshape(x2.shape[1], -1)
             if cpu_matmul.applies(x2, w2):
-                y = cpu_matmul.few_row_matmul(x2, w2)
+                y = cpu_matmul.matmul(x2, w2)
                 return y.reshape(x.shape[0], *w.shape[n_in:])
         return jnp.einsum(eq, x, w)
     n_in = x.ndim - 1
@@ -410,13 +411,13 @@ def lm_logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if params.lm_head is None:
         # Contract against embed [V, D] directly: writing ``embed.T`` makes XLA's CPU backend
         # copy the whole transposed table on every call (3x slower decode head).
-        if cpu_matmul.applies(x, params.embed.T):  # a few float32 decode rows on the CPU
-            logits = cpu_matmul.few_row_matmul_nt(x, params.embed)
+        if cpu_matmul.applies_nt(x, params.embed):  # a few float32 decode rows on the CPU
+            logits = cpu_matmul.matmul_nt(x, params.embed)
         else:
             logits = jnp.einsum("td,vd->tv", x, params.embed,
                                 preferred_element_type=jnp.float32)
     elif cpu_matmul.applies(x, params.lm_head):
-        logits = cpu_matmul.few_row_matmul(x, params.lm_head)
+        logits = cpu_matmul.matmul(x, params.lm_head)
     else:
         logits = jnp.einsum("td,dv->tv", x, params.lm_head, preferred_element_type=jnp.float32)
     return logits.astype(jnp.float32)

@@ -13,15 +13,13 @@
 // has it, pairs of AVX2 registers otherwise.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -279,27 +277,6 @@ ItemFn pick(int64_t nv) {
   }
 }
 
-// Items shared by the caller and the pool's workers; owned by whoever finishes last, so a
-// worker that starts after the call returned finds nothing to do and frees it safely.
-struct Work {
-  Problem pb;
-  ItemFn fn;
-  int64_t n_items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void run() {
-    for (;;) {
-      const int64_t it = next.fetch_add(1);
-      if (it >= n_items) return;
-      // Largest first: later blocks of a causal prefill see the most keys.
-      const int64_t b = (n_items - 1 - it) / pb.Hkv, h = (n_items - 1 - it) % pb.Hkv;
-      fn(pb, b, h);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                 ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> layer,
                 ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> slot_pos,
@@ -310,8 +287,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   const auto kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 5)
     return ffi::Error::InvalidArgument("akv_cpu_attention: q [T,Hq,Dh], pools [L,P,ps,Hkv,Dh]");
-  auto work = std::make_shared<Work>();
-  Problem& pb = work->pb;
+  Problem pb;
   pb.T = qd[0];
   pb.Hq = qd[1];
   pb.Dh = qd[2];
@@ -337,13 +313,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   pb.sinks = has_sinks ? sinks.typed_data() : nullptr;
   pb.out = out->typed_data();
   std::memset(pb.out, 0, sizeof(float) * pb.T * pb.Hq * pb.Dh);  // rows no block covers
-  work->fn = pick<1>(pb.Dh / W);
-  work->n_items = blk.dimensions()[0] * pb.Hkv;
-
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->n_items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->n_items) std::this_thread::yield();
+  const ItemFn fn = pick<1>(pb.Dh / W);
+  const int64_t n_items = blk.dimensions()[0] * pb.Hkv;
+  akv::parallel_for(pool, n_items, [&pb, fn, n_items](int64_t it) {
+    // Largest first: later blocks of a causal prefill see the most keys.
+    fn(pb, (n_items - 1 - it) / pb.Hkv, (n_items - 1 - it) % pb.Hkv);
+  });
   return ffi::Error::Success();
 }
 

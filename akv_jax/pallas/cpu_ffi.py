@@ -41,9 +41,10 @@ def _cpu_identity() -> str:
 
 def _build(cxx: str, source: Path) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # cpu_pool.h
     key = hashlib.sha256(
-        "\0".join([source.read_text(), " ".join(FLAGS), version.stdout, _cpu_identity(),
-                   jax.__version__]).encode()
+        "\0".join([source.read_text(), *headers, " ".join(FLAGS), version.stdout,
+                   _cpu_identity(), jax.__version__]).encode()
     ).hexdigest()[:16]
     root = Path(os.environ.get("AKV_JAX_CACHE", Path.home() / ".cache" / "akv_jax"))
     lib = root / "kernels" / f"{source.stem}-{key}.so"

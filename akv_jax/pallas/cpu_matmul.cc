@@ -3,19 +3,18 @@
 //
 // A decode step streams every weight once; with 1 row XLA runs a matrix-vector product at the
 // memory's speed, but from 2 to 16 rows its small-GEMM path is compute-bound (SmolLM2's MLP
-// weights: 11.9 ms at 1 row, 22.0 ms at 8). Here w is read once, in blocks of KB whole rows
+// weights: 11.9 ms at 1 row, 22.0 ms at 8). Here w is read once, in blocks of <= 256 whole rows
 // (sequential memory, which the prefetcher follows), each row's 32-column pieces multiplied
 // into register accumulators for up to 8 rows of x; partial sums live in y between blocks.
 // Columns are split across XLA's intra-op threads. A second entry point takes w as [N, K]
 // (a tied embedding used as the output head), whose rows are contiguous already.
 
 #include <algorithm>
-#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -24,7 +23,10 @@ namespace {
 
 constexpr int W = 16;   // floats per vector
 constexpr int PIECE = 32;  // columns per piece handed to a thread (whole pieces each)
-constexpr int KB = 1 << 30;  // rows of w per block
+// Rows of w per block: K is cut into equal blocks of at most 256, each summed from zero and
+// then added to y, exactly as cpu_gemm.cc slices it (rounding of a 256-term sum per block,
+// not of one K-term chain; and a row's bits match the GEMM's).
+constexpr int64_t KMAX = 256;
 constexpr int MT = 8;   // rows of x per register tile (x 2 vectors of columns)
 constexpr int PD = 32;  // rows of w prefetched ahead
 
@@ -38,14 +40,14 @@ inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x
 template <int MR, int NC = 2>
 void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
           int64_t c0, int64_t c1) {
-  for (int64_t k0 = 0; k0 < K; k0 += KB) {
-    const int64_t k1 = std::min<int64_t>(K, k0 + KB);
+  const int64_t blocks = (K + KMAX - 1) / KMAX, kb = (K + blocks - 1) / blocks;
+  for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + kb);
     int64_t c = c0;
     for (; c + NC * W <= c1; c += NC * W) {
       vf acc[MR][NC];
       for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NC; ++n)
-          acc[m][n] = k0 == 0 ? vf{} : vload(y + (m0 + m) * N + c + n * W);
+        for (int n = 0; n < NC; ++n) acc[m][n] = vf{};
       for (int64_t k = k0; k < k1; ++k) {
         // The rows are N floats apart, past what the hardware's stride prefetcher follows.
         for (int n = 0; n < NC; ++n) __builtin_prefetch(w + (k + PD) * N + c + n * W);
@@ -57,13 +59,19 @@ void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
         }
       }
       for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NC; ++n) vstore(y + (m0 + m) * N + c + n * W, acc[m][n]);
+        for (int n = 0; n < NC; ++n) {
+          float* dst = y + (m0 + m) * N + c + n * W;
+          vstore(dst, k0 == 0 ? acc[m][n] : vload(dst) + acc[m][n]);
+        }
     }
     for (; c < c1; ++c) {  // a last piece narrower than 32 columns
       for (int m = 0; m < MR; ++m) {
-        float a = k0 == 0 ? 0.f : y[(m0 + m) * N + c];
-        for (int64_t k = k0; k < k1; ++k) a += x[(m0 + m) * K + k] * w[k * N + c];
-        y[(m0 + m) * N + c] = a;
+        float a = 0.f;
+        // std::fma: written as `a += x * w`, GCC vectorises the products and adds them in
+        // order without fusing, and these columns would round unlike the vector ones (and
+        // unlike cpu_gemm.cc's, whose rows match this kernel's bit for bit).
+        for (int64_t k = k0; k < k1; ++k) a = std::fma(x[(m0 + m) * K + k], w[k * N + c], a);
+        y[(m0 + m) * N + c] = k0 == 0 ? a : y[(m0 + m) * N + c] + a;
       }
     }
   }
@@ -100,49 +108,21 @@ constexpr TileFn kTiles[MT + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
 constexpr TileFn kTilesNT[MT + 1] = {nullptr,    tile_nt<1>, tile_nt<2>, tile_nt<3>, tile_nt<4>,
                                      tile_nt<5>, tile_nt<6>, tile_nt<7>, tile_nt<8>};
 
-struct Work {
-  const float* x;
-  const float* w;
-  float* y;
-  const TileFn* tiles;
-  int64_t M, K, N, parts;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void run() {
-    for (;;) {
-      const int64_t part = next.fetch_add(1);
-      if (part >= parts) return;
-      // Column ranges in whole 32-column pieces; the last takes the remainder.
-      const int64_t pieces = (N + PIECE - 1) / PIECE;
-      const int64_t c0 = std::min(N, pieces * part / parts * PIECE);
-      const int64_t c1 = part + 1 == parts ? N : std::min(N, pieces * (part + 1) / parts * PIECE);
-      for (int64_t m0 = 0; m0 < M; m0 += MT)
-        tiles[std::min<int64_t>(MT, M - m0)](x, w, y, K, N, m0, c0, c1);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M,
                int64_t K, int64_t N, const TileFn* tiles) {
-  auto work = std::make_shared<Work>();
-  work->x = x;
-  work->w = w;
-  work->y = y;
-  work->tiles = tiles;
-  work->M = M;
-  work->K = K;
-  work->N = N;
   if (K == 0) {
     std::memset(y, 0, sizeof(float) * M * N);
     return ffi::Error::Success();
   }
+  // Column ranges in whole 32-column pieces, one a thread; the last takes the remainder.
   const int64_t pieces = (N + PIECE - 1) / PIECE;
-  work->parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), pieces));
-  for (int64_t i = 1; i < work->parts; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->parts) std::this_thread::yield();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), pieces));
+  akv::parallel_for(pool, parts, [=](int64_t part) {
+    const int64_t c0 = std::min(N, pieces * part / parts * PIECE);
+    const int64_t c1 = part + 1 == parts ? N : std::min(N, pieces * (part + 1) / parts * PIECE);
+    for (int64_t m0 = 0; m0 < M; m0 += MT)
+      tiles[std::min<int64_t>(MT, M - m0)](x, w, y, K, N, m0, c0, c1);
+  });
   return ffi::Error::Success();
 }
 

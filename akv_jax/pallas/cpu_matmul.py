@@ -1,12 +1,19 @@
-"""Few-row matrix products on XLA:CPU (``cpu_matmul.cc``, an XLA FFI call): decode steps.
+"""Matrix products on XLA:CPU as XLA FFI calls, float32: decode steps' few rows
+(``cpu_matmul.cc``) and prefill steps' many (``cpu_gemm.cc``).
 
 A decode step of 2-16 rows streams every weight once, so its projections should cost what a
 1-row step's do (XLA's matrix-vector product runs at the memory's speed); XLA:CPU's small-GEMM
 path is compute-bound there instead (SmolLM2's MLP weights: 11.9 ms at 1 row, 22.0 ms at 8).
-The kernel reads each weight once in sequential blocks of rows, for up to 8 rows of ``x`` in
-registers. :func:`few_row_matmul` is used by :func:`akv_jax.model.forward.project` on the CPU
+The few-row kernel reads each weight once in sequential blocks of rows, for up to 8 rows of
+``x`` in registers. A prefill's many rows take a blocked GEMM (packed panels of ``w``, 14 x 32
+register tiles), from MIN_GEMM_ROWS up, where it beats XLA's own. Both sum every output the
+same way (a chain of fused multiply-adds per slice of at most 256 ``k``, slices added in
+order: more accurate than one chain over all of ``k``, and than XLA's slices of 512), so a
+row's result is the same bits whichever kernel ran and however many rows the call had.
+
+:func:`matmul` is used by :func:`akv_jax.model.forward.project` and ``lm_logits`` on the CPU
 only (``jax.lax.platform_dependent``: a GPU or TPU lowering, deviceless ones included, keeps
-the einsum), float32, 2-16 rows, outside a tensor-parallel mesh.
+the matmul), float32, outside a tensor-parallel mesh.
 """
 
 from __future__ import annotations
@@ -16,49 +23,67 @@ import jax.numpy as jnp
 
 from akv_jax.pallas import cpu_ffi
 
-TARGET = "akv_cpu_matmul"
-TARGET_NT = "akv_cpu_matmul_nt"
-MAX_ROWS = 16  # decode buckets 8 and 16; prefill rows start at 64
+TARGET = "akv_cpu_matmul"  # x [M, K] @ w [K, N], 2..MAX_ROWS rows
+TARGET_NT = "akv_cpu_matmul_nt"  # x [M, K] @ w [N, K]^T, 2..MAX_ROWS rows
+TARGET_GEMM = "akv_cpu_gemm"  # x [M, K] @ w [K, N], more rows
+MAX_ROWS = 16  # the few-row kernel's: decode buckets 8 and 16; prefill rows start at 64
+# Fewest rows for which a model's projections take the GEMM. SmolLM2's prefill forward, A/B
+# in one process (medians): 384 rows 0.635 -> 0.665 s (XLA's fused products win), 768 rows
+# 1.358 -> 1.324 s, 2,048 rows 4.16 -> 3.71 s.
+MIN_GEMM_ROWS = 1024
 
 
 def available() -> bool:
     """Whether the kernels are built and registered with XLA:CPU (builds them on first call)."""
     return (cpu_ffi.register("cpu_matmul.cc", TARGET, "AkvCpuMatmul")
-            and cpu_ffi.register("cpu_matmul.cc", TARGET_NT, "AkvCpuMatmulNT"))
+            and cpu_ffi.register("cpu_matmul.cc", TARGET_NT, "AkvCpuMatmulNT")
+            and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM, "AkvCpuGemm"))
 
 
-def applies(x: jax.Array, w: jax.Array) -> bool:
-    """Whether ``x [M, K] @ w [K, N]`` takes the kernel: float32, 2..MAX_ROWS rows (1 row
-    is XLA's matrix-vector product, already at the memory's speed), no tensor-parallel mesh
-    (an FFI call GSPMD cannot partition), and the kernel built."""
+def _takes_kernel(x: jax.Array, w: jax.Array, gemm: bool) -> bool:
     mesh = jax.sharding.get_abstract_mesh()
+    rows = x.shape[0] if x.ndim == 2 else 0
     return (
         x.ndim == 2 and w.ndim == 2
-        and 2 <= x.shape[0] <= MAX_ROWS
+        and (2 <= rows <= MAX_ROWS or (gemm and rows >= MIN_GEMM_ROWS))
         and x.dtype == w.dtype == jnp.float32
         and (mesh.empty or all(n == 1 for n in mesh.shape.values()))
         and available()
     )
 
 
+def applies(x: jax.Array, w: jax.Array) -> bool:
+    """Whether ``x [M, K] @ w [K, N]`` takes a kernel: float32, 2..MAX_ROWS rows (1 row is
+    XLA's matrix-vector product, already at the memory's speed) or MIN_GEMM_ROWS and more,
+    no tensor-parallel mesh (an FFI call GSPMD cannot partition), and the kernels built."""
+    return _takes_kernel(x, w, gemm=True)
+
+
+def applies_nt(x: jax.Array, w_nt: jax.Array) -> bool:
+    """Whether ``x [M, K] @ w_nt [N, K]^T`` takes the kernel: as :func:`applies`, 2..MAX_ROWS
+    rows only (the output head of a decode step; a prefill's is one row a segment)."""
+    return _takes_kernel(x, w_nt, gemm=False)
+
+
 def _require() -> None:
     if not available():
-        raise RuntimeError("the CPU few-row matmul kernel is not available (see its warning)")
+        raise RuntimeError("the CPU matmul kernels are not available (see their warning)")
 
 
 @jax.custom_vjp
-def few_row_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` for ``x [M, K]``, ``w [K, N]``: the kernel where the lowering is for the CPU,
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` for ``x [M, K]``, ``w [K, N]``: a kernel where the lowering is for the CPU,
     the matmul elsewhere. Call it only where :func:`applies`. Differentiable (the backward
     pass is plain matmuls)."""
     _require()
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype),
+    target = TARGET if x.shape[0] <= MAX_ROWS else TARGET_GEMM
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype),
                             vmap_method="sequential")
     return jax.lax.platform_dependent(x, w, cpu=call, default=jnp.matmul)
 
 
 def _fwd(x, w):
-    return few_row_matmul(x, w), (x, w)
+    return matmul(x, w), (x, w)
 
 
 def _bwd(res, g):
@@ -66,13 +91,13 @@ def _bwd(res, g):
     return g @ w.T, x.T @ g
 
 
-few_row_matmul.defvjp(_fwd, _bwd)
+matmul.defvjp(_fwd, _bwd)
 
 
 @jax.custom_vjp
-def few_row_matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (a tied embedding as the output head), as
-    :func:`few_row_matmul`."""
+    :func:`matmul`, where :func:`applies_nt`."""
     _require()
     call = jax.ffi.ffi_call(TARGET_NT, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype),
                             vmap_method="sequential")
@@ -80,7 +105,7 @@ def few_row_matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _fwd_nt(x, w):
-    return few_row_matmul_nt(x, w), (x, w)
+    return matmul_nt(x, w), (x, w)
 
 
 def _bwd_nt(res, g):
@@ -88,4 +113,4 @@ def _bwd_nt(res, g):
     return g @ w, g.T @ x
 
 
-few_row_matmul_nt.defvjp(_fwd_nt, _bwd_nt)
+matmul_nt.defvjp(_fwd_nt, _bwd_nt)
