@@ -253,9 +253,9 @@ def test_warm_up_shapes_covers_the_steps_and_leaves_no_trace(model):
     m, dm = model
     eng = Engine(m, max_total_tokens=2048, page_size=8, attention_backend="reference",
                  prefill_chunk=128, max_running=8)
-    # 4,096 positions = one view bucket (512 pages); prefill T 64 and 128; decode 1 and 8
+    # 4,096 positions = one view bucket (512 pages); prefill T 64 and 128; decode 1, 4 and 8
     # rows
-    assert eng.warm_up_shapes() == 4
+    assert eng.warm_up_shapes() == 5
     assert eng.cache.pool.used_pages == 0 and not list(eng.cache.tree.root.children)
     compiled = _forward_step._cache_size()
     reqs = [([list(range(1, 1 + n))], {"drop": {}, "reposition": []}) for n in (5, 70, 200)]

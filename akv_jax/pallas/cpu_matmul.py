@@ -30,7 +30,7 @@ MAX_ROWS = 16  # the few-row kernel's: decode buckets 8 and 16; prefill rows sta
 # Fewest rows for which a model's projections take the GEMM. SmolLM2's prefill forward, A/B
 # in one process (medians): 384 rows 0.635 -> 0.665 s (XLA's fused products win), 768 rows
 # 1.358 -> 1.324 s, 2,048 rows 4.16 -> 3.71 s.
-MIN_GEMM_ROWS = 1024
+MIN_GEMM_ROWS = 768
 
 
 def available() -> bool:

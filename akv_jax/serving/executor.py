@@ -33,19 +33,20 @@ Work = Sequence[tuple[RequestState | None, Pass]]
 
 
 def token_bucket(n: int, block_q: int) -> int:
-    """Padded row count of a forward: decode rows 1, or in half-octave steps from 8 (8, 16,
-    24, 32, 48, ...); prefill rows in quarter-octave steps, so a prompt just past a power of two
-    pays at most 25% padded rows in its matmuls, not 50% (2,100 rows: 2,560, not 3,072), for
-    twice the prefill shapes.
+    """Padded row count of a forward: decode rows 1, 4, or in half-octave steps from 8 (8,
+    16, 24, 32, 48, ...); prefill rows in quarter-octave steps, so a prompt just past a power
+    of two pays at most 25% padded rows in its matmuls, not 50% (2,100 rows: 2,560, not
+    3,072), for twice the prefill shapes.
 
-    A single decode row is not padded to 8: a decode step streams the weights, and on the CPU
-    a matrix-vector product runs at the memory's speed where an 8-row product is
-    compute-bound in a small-GEMM kernel (SmolLM2's 90 MLP matrices: 11.9 ms at 1 row, 22.0
-    ms at 8), so a single stream padded to 8 rows paid ~40% of its step for the padding.
-    2-7 rows still share the 8-row shape (14-20 ms at 2-6 rows: less to gain, and every
-    shape is a compile)."""
+    A decode step streams the weights, so padding its rows costs more than it seems. A single
+    row is not padded: on the CPU a matrix-vector product runs at the memory's speed where an
+    8-row product is compute-bound (SmolLM2's 90 MLP matrices: 11.9 ms at 1 row, 22.0 ms at
+    8), so one stream padded to 8 rows paid ~40% of its step for the padding. 2-4 rows share
+    a 4-row shape (the agent workload's four conversations): with the few-row kernel
+    (``cpu_matmul``) a 4-row SmolLM2 step over 1,000-token contexts takes 57-61 ms against
+    66-72 ms padded to 8 (alternating runs). Every shape is a compile, so 5-7 rows share 8."""
     if block_q == 1:
-        return 1 if n == 1 else bucket(n, 8, steps_per_octave=2)
+        return n if n in (1, 4) else 4 if n < 4 else bucket(n, 8, steps_per_octave=2)
     return bucket(n, max(block_q, 64), steps_per_octave=4)
 
 
