@@ -1,11 +1,16 @@
 """Where a serving step's time goes: host scheduling, packing, transfers, forward, sampling.
 
     PYTHONPATH=. python bench/profile_engine.py [--model default|tiny|PATH] [--steps 32]
+                                                [--agent-turns 4] [--drops]
 
 Drives :class:`akv_jax.serving.engine.Engine` (the server's scheduler, planner, executor and
 sampler) through three scenarios: decode at batch 1 and batch 8 (256-token prompts) and a cold
-2,000-token prefill. Every stage is timed by wrapping the function that does it, and the
-forward is made synchronous (``block_until_ready``) so its time is the device's:
+2,000-token prefill; with ``--agent-turns`` also ``bench/peers.py``'s agent workload (four
+conversations at once, each turn a ~300-token tool output and 32 new tokens, the next turn
+submitted as soon as the last ends; ``--drops`` with its cache operations), reported by step
+kind with the prefill forwards' row counts. Every stage is timed by wrapping the function
+that does it, and the forward is made synchronous (``block_until_ready``) so its time is
+the device's:
 
 ====================  ==============================================================
 plan                  ``Planner.plan`` / ``Planner.decode_pass`` (host)
@@ -33,6 +38,7 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +109,19 @@ def instrument(t: Timers) -> None:
     device_group.DeviceGroup.forward = forward
     t.wrap(executor_mod.Executor, "run", "run")
 
+    real_prefill, real_decode = executor_mod.Executor.run_prefill, executor_mod.Executor.run_decode
+
+    def run_prefill(self, slices):
+        t.step["prefill_rows"] += sum(len(sl.tokens) for _, sl in slices)
+        return real_prefill(self, slices)
+
+    def run_decode(self, work):
+        t.step["decode_rows"] += len(work)
+        return real_decode(self, work)
+
+    executor_mod.Executor.run_prefill = run_prefill
+    executor_mod.Executor.run_decode = run_decode
+
     real_np_asarray = np.asarray
 
     class _Np:
@@ -163,6 +182,69 @@ def run_scenario(eng: Engine, t: Timers, prompts: list[list[int]], new: int) -> 
     return rows
 
 
+def run_agent(eng: Engine, t: Timers, turns: int, drops: bool, seed: int) -> tuple[float, list]:
+    """peers.py's agent workload in process: its segments and cache operations, greedy."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import peers  # bench/peers.py: the workload's sizes and ids
+
+    rng = np.random.default_rng(seed)
+    sz = peers.Sizes(turns=turns)
+    system = peers._ids(rng, sz.system)
+    convs = []
+    for _ in range(sz.conversations):
+        task = peers._ids(rng, sz.task)
+        tools = [peers._ids(rng, int(rng.integers(sz.tool - 50, sz.tool + 51)))
+                 for _ in range(turns)]
+        convs.append({"segs": [system, task], "tools": tools, "turn": 0, "out": []})
+    sp = SamplingParams(max_new_tokens=sz.agent_new, ignore_eos=True)
+    by_rid: dict[str, dict] = {}
+
+    def submit(c: dict) -> None:
+        j = c["turn"]
+        c["segs"] = [*c["segs"], c["tools"][j]]
+        ops = ({"drop": {str(2 + 2 * i): [2 + 2 * (i - 1)] for i in range(1, j + 1)}}
+               if drops and j >= 1 else None)
+        rid = f"a{len(by_rid)}"
+        by_rid[rid], c["out"] = c, []
+        eng.add_request(GenerateRequest(rid, c["segs"], parse_history(ops, len(c["segs"])), sp))
+
+    eng.flush_cache()
+    for c in convs:
+        submit(c)
+    steps = []
+    t0 = time.perf_counter()
+    while eng.has_work():
+        t.step.clear()
+        s0 = time.perf_counter()
+        events = eng.step()
+        steps.append((time.perf_counter() - s0, dict(t.step)))
+        for ev in events:
+            c = by_rid[ev.rid]
+            c["out"].append(ev.token_id)
+            if ev.finished:
+                if ev.error:
+                    raise RuntimeError(ev.error)
+                c["segs"] = [*c["segs"], c["out"]]
+                c["turn"] += 1
+                if c["turn"] < turns:
+                    submit(c)
+    return time.perf_counter() - t0, steps
+
+
+def report_agent(wall: float, steps: list) -> None:
+    pre = [(dt, s) for dt, s in steps if s.get("prefill_rows")]
+    dec = [(dt, s) for dt, s in steps if not s.get("prefill_rows")]
+    print(f"agent wall {wall:.2f} s, {len(steps)} steps")
+    for name, group in (("with a prefill forward", pre), ("decode only", dec)):
+        if not group:
+            continue
+        rows = sorted(int(s.get("prefill_rows", 0)) for _, s in group)
+        dec_rows = sorted({int(s.get("decode_rows", 0)) for _, s in group})
+        print(f"  steps {name:22s} {len(group):4d}  {sum(dt for dt, _ in group):7.2f} s, "
+              f"median {statistics.median(dt for dt, _ in group) * 1e3:7.1f} ms; "
+              f"decode rows {dec_rows}" + (f"; prefill rows {rows}" if name[0] == "w" else ""))
+
+
 def report(name: str, rows: list[dict]) -> None:
     med = {k: statistics.median(r[k] for r in rows) * 1e3 for k in (*STAGES, "total", "cpu")}
     parts = ", ".join(f"{k} {med[k]:.2f}" for k in STAGES)
@@ -177,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--steps", type=int, default=32, help="decode tokens per request")
     ap.add_argument("--prefill", type=int, default=2000)
+    ap.add_argument("--agent-turns", type=int, default=0,
+                    help="also peers.py's agent workload with this many turns (0: skip)")
+    ap.add_argument("--drops", action="store_true", help="the agent workload with its drops")
     args = ap.parse_args(argv)
     model = load_model(None if args.model == "default" else args.model, "float32")
     eng = Engine(model, max_total_tokens=16384, max_running=16)
@@ -199,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         run_scenario(eng, t, prompts(1, n), 1)  # compile this length's shape
         rows = [run_scenario(eng, t, prompts(1, n), 1)[0] for _ in range(3)]
         report(f"prefill {n} cold", rows)
+    if args.agent_turns:
+        run_agent(eng, t, 3, args.drops, seed=99)  # compile its step shapes
+        report_agent(*run_agent(eng, t, args.agent_turns, args.drops, seed=1))
     return 0
 
 

@@ -42,7 +42,8 @@ def test_matches_float64(rows, k, n):
     (17, 64, 96),     # one micro-panel of 14 rows and a short one
     (29, 37, 70),     # a panel narrower than 32 columns
     (200, 130, 16),   # several row chunks (168 rows each), one narrow panel
-    (40, 2100, 33),   # two slices of k: the second extends the first's partial sums
+    (40, 2100, 33),   # two slices of k: the second adds to the first's sums
+    (20, 64, 66000),  # w packed in two parts (16 MiB at a time), the last one short
 ])
 def test_gemm_matches_float64(rows, k, n):
     rng = np.random.default_rng(rows + k + n)

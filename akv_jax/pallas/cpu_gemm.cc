@@ -1,13 +1,15 @@
 // Matrix products with many rows for XLA:CPU: y[M, N] = x[M, K] @ w[K, N], float32 (prefill
 // and restore steps' projections), the CPU kernel of akv_jax.pallas.cpu_matmul.
 //
-// A blocked GEMM: w is packed once per call into panels of 32 columns ([K][32], contiguous,
-// zero-padded past N); items are (MC-row chunk of x) x (range of panels). An item packs its
-// rows of x for one slice of k into micro-panels of MR rows ([k][MR]), then for each panel
-// of w runs the register kernel over every micro-panel: MR x 32 accumulators, a panel row of
-// w in two vectors, one broadcast of x per row. The x chunk stays in L2; both streams are
-// prefetched in software (on this 2-core VM the hardware prefetchers alone left the kernel
-// at ~60% of its in-L1 speed).
+// A blocked GEMM. w is packed into panels of 32 columns ([K][32], contiguous, zero-padded
+// past N: read in place, a panel's rows are N floats apart and fall into a few L1 sets),
+// at most PACK_BYTES of them at a time. Items are (MC-row chunk of x) x (range of panels);
+// for each slice of k and each panel, an item runs the register kernel over its rows MR at
+// a time: MR x 32 accumulators, a panel row of w in two vectors, one broadcast of x per row,
+// x read in place (MR sequential streams; a last, short micro-panel from a zero-padded
+// copy). The panel's slice of w stays in L1 across the chunk's micro-panels; it is
+// prefetched in software, and the next panel's into L2 (on this 2-core VM the hardware
+// prefetchers alone left the kernel at ~60% of its in-L1 speed).
 //
 // Every output element is the same sum in the same order as in cpu_matmul.cc's few-row
 // kernel (a chain of fused multiply-adds per slice of k, slices added in order): a row's
@@ -28,17 +30,21 @@ namespace {
 constexpr int W = 16;        // floats per vector
 constexpr int NR = 2 * W;    // columns per panel
 #ifdef __AVX512F__
-constexpr int MR = 14;       // 28 accumulators + 2 panel vectors + 1 broadcast of 32 registers
+constexpr int MR = 14;       // 28 accumulators, 2 panel vectors, 1 broadcast: 31 registers
 #else
 constexpr int MR = 4;
 #endif
 // Most k per slice (K is cut into equal slices of at most this). Each slice sums from zero
 // and is then added to y: one chain over all of K rounds like a sum of K terms (SmolLM2's
 // 1,536-deep down projection: twice XLA's error, max |err| 2.7e-4 against float64 on
-// random normals), slices of 256 like one of ~256 + K / 256 (8.2e-5; XLA 1.3e-4).
+// random normals), slices of 256 like one of ~256 + K / 256 (8.2e-5; XLA, which cuts K
+// at 512, 1.3e-4).
 constexpr int64_t KC = 256;
-constexpr int PD = 8;  // k steps of software prefetch ahead in the streams of x and w
+constexpr int PD = 8;  // k steps of software prefetch ahead in the panel's stream
 constexpr int64_t MC = 12 * MR;  // rows of x per item
+// Packed w at a time (the calling thread's buffer): a vocabulary head of a training
+// forward would otherwise copy the whole embedding.
+constexpr int64_t PACK_BYTES = 16 << 20;
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 
@@ -47,9 +53,9 @@ inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // Not `vf{} + x`: adding +0.0 is not a no-op (-0.0), so that costs an add before each broadcast.
 inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-// One micro-panel of x (ap: [kc][MR]) times one panel slice of w (bp: [kc][NR]) into the
-// MR x NR block at c (row stride ldc). `first`: the slice starts at k = 0 (it writes c;
-// later slices add to it).
+// One micro-panel of x (row m, step k at ap[k * sk + m * sm]: in place, or a packed copy)
+// times one panel slice of w (bp: [kc][NR]) into the MR x NR block at c (row stride ldc).
+// `first`: the slice starts at k = 0 (it writes c; later slices add to it).
 // `next`: the next panel slice of w, to prefetch into L2 (a slice is read from memory once
 // per item and then reused from L1 by every micro-panel; without the prefetch the first
 // micro-panel waits on it line by line).
@@ -107,10 +113,11 @@ struct Gemm {
   float* y;
   int64_t M, K, N;
   int64_t panels, kc;
-  float* packed_w;  // [panels][K][NR]
+  int64_t pack0;    // first panel in packed_w
+  float* packed_w;  // [panels packed][K][NR]
 
   void pack_w(int64_t p) const {
-    float* dst = packed_w + p * K * NR;
+    float* dst = packed_w + (p - pack0) * K * NR;
     const int64_t c0 = p * NR, cols = std::min<int64_t>(NR, N - c0);
     for (int64_t k = 0; k < K; ++k) {
       std::memcpy(dst + k * NR, w + k * N + c0, sizeof(float) * cols);
@@ -139,7 +146,7 @@ struct Gemm {
     for (int64_t k0 = 0; k0 < K; k0 += kc) {
       const int64_t kcur = std::min(kc, K - k0);
       for (int64_t p = p0; p < p1; ++p) {
-        const float* bp = packed_w + p * K * NR + k0 * NR;
+        const float* bp = packed_w + (p - pack0) * K * NR + k0 * NR;
         const int cols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
         const float* next = p + 1 < p1 ? bp + K * NR : nullptr;
         for (int64_t i = 0; i < micro_panels; ++i) {
@@ -180,23 +187,27 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   }
   g.panels = (g.N + NR - 1) / NR;
   g.kc = slice_depth(g.K);
+  const int64_t per_pack = std::max<int64_t>(1, PACK_BYTES / (g.K * NR * sizeof(float)));
   // The calling thread's buffer: XLA runs a computation's thunks on the same few threads,
   // so this is allocated once and reused.
   thread_local std::vector<float> wbuf;
-  wbuf.resize(g.panels * g.K * NR);
+  wbuf.resize(std::min(per_pack, g.panels) * g.K * NR);
   g.packed_w = wbuf.data();
-  akv::parallel_for(pool, g.panels, [&g](int64_t p) { g.pack_w(p); });
-
-  // Items: chunks of MC rows, and each chunk's panels split so that there are at least
-  // three items a thread where the rows alone do not give that many.
   const int64_t chunks = (g.M + MC - 1) / MC;
-  const int64_t want = 3 * (pool.num_threads() + 1);
-  const int64_t splits = std::min(g.panels, std::max<int64_t>(1, (want + chunks - 1) / chunks));
-  akv::parallel_for(pool, chunks * splits, [&g, splits](int64_t it) {
-    const int64_t chunk = it / splits, s = it % splits;
-    const int64_t m0 = chunk * MC;
-    g.item(m0, std::min(MC, g.M - m0), g.panels * s / splits, g.panels * (s + 1) / splits);
-  });
+  for (int64_t b0 = 0; b0 < g.panels; b0 += per_pack) {
+    const int64_t b1 = std::min(g.panels, b0 + per_pack), nb = b1 - b0;
+    g.pack0 = b0;
+    akv::parallel_for(pool, nb, [&g, b0](int64_t p) { g.pack_w(b0 + p); });
+    // Items: chunks of MC rows, and each chunk's panels split so that there are at least
+    // three items a thread where the rows alone do not give that many.
+    const int64_t want = 3 * (pool.num_threads() + 1);
+    const int64_t splits = std::min(nb, std::max<int64_t>(1, (want + chunks - 1) / chunks));
+    akv::parallel_for(pool, chunks * splits, [&g, splits, b0, nb](int64_t it) {
+      const int64_t chunk = it / splits, s = it % splits;
+      const int64_t m0 = chunk * MC;
+      g.item(m0, std::min(MC, g.M - m0), b0 + nb * s / splits, b0 + nb * (s + 1) / splits);
+    });
+  }
   return ffi::Error::Success();
 }
 
