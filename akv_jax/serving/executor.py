@@ -46,7 +46,7 @@ def token_bucket(n: int, block_q: int) -> int:
     (``cpu_matmul``) a 4-row SmolLM2 step over 1,000-token contexts takes 57-61 ms against
     66-72 ms padded to 8 (alternating runs). Every shape is a compile, so 5-7 rows share 8."""
     if block_q == 1:
-        return n if n in (1, 4) else 4 if n < 4 else bucket(n, 8, steps_per_octave=2)
+        return 1 if n == 1 else 4 if n <= 4 else bucket(n, 8, steps_per_octave=2)
     return bucket(n, max(block_q, 64), steps_per_octave=4)
 
 
