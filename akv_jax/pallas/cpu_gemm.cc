@@ -21,37 +21,31 @@
 #include <vector>
 
 #include "cpu_pool.h"
+#include "cpu_vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int W = 16;        // floats per vector
+using akv::splat;
+using akv::vf;
+using akv::vload;
+using akv::vstore;
+using akv::W;
+
 constexpr int NR = 2 * W;    // columns per panel
 #ifdef __AVX512F__
 constexpr int MR = 14;       // 28 accumulators, 2 panel vectors, 1 broadcast: 31 registers
 #else
 constexpr int MR = 4;
 #endif
-// Most k per slice (K is cut into equal slices of at most this). Each slice sums from zero
-// and is then added to y: one chain over all of K rounds like a sum of K terms (SmolLM2's
-// 1,536-deep down projection: twice XLA's error, max |err| 2.7e-4 against float64 on
-// random normals), slices of 256 like one of ~256 + K / 256 (8.2e-5; XLA, which cuts K
-// at 512, 1.3e-4).
-constexpr int64_t KC = 256;
 constexpr int PD = 8;  // k steps of software prefetch ahead in the panel's stream
 constexpr int64_t MC = 12 * MR;  // rows of x per item
 // Packed w at a time (the calling thread's buffer): a vocabulary head of a training
 // forward would otherwise copy the whole embedding.
 constexpr int64_t PACK_BYTES = 16 << 20;
 
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-
-inline vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-// Not `vf{} + x`: adding +0.0 is not a no-op (-0.0), so that costs an add before each broadcast.
-inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // One micro-panel of x (row m, step k at ap[k * sk + m * sm]: in place, or a packed copy)
 // times one panel slice of w (bp: [kc][NR]) into the MR x NR block at c (row stride ldc).
@@ -99,12 +93,6 @@ void micro(const float* ap, int64_t sk, int64_t sm, const float* bp, int64_t kc,
     for (int m = 0; m < rows; ++m) std::memcpy(block + m * NR, c + m * ldc, sizeof(float) * cols);
   micro_full<false>(ap, sk, sm, bp, kc, block, NR, first, nullptr);
   for (int m = 0; m < rows; ++m) std::memcpy(c + m * ldc, block + m * NR, sizeof(float) * cols);
-}
-
-// k per slice for depth K: equal slices of at most KC (cpu_matmul.cc cuts K the same way).
-inline int64_t slice_depth(int64_t K) {
-  const int64_t slices = (K + KC - 1) / KC;
-  return (K + slices - 1) / slices;
 }
 
 struct Gemm {
@@ -186,7 +174,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     return ffi::Error::Success();
   }
   g.panels = (g.N + NR - 1) / NR;
-  g.kc = slice_depth(g.K);
+  g.kc = akv::k_slice(g.K);  // the summation order both matmul kernels share
   const int64_t per_pack = std::max<int64_t>(1, PACK_BYTES / (g.K * NR * sizeof(float)));
   // The calling thread's buffer: XLA runs a computation's thunks on the same few threads,
   // so this is allocated once and reused.

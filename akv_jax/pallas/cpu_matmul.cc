@@ -15,32 +15,28 @@
 #include <cstring>
 
 #include "cpu_pool.h"
+#include "cpu_vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int W = 16;   // floats per vector
 constexpr int PIECE = 32;  // columns per piece handed to a thread (whole pieces each)
-// Rows of w per block: K is cut into equal blocks of at most 256, each summed from zero and
-// then added to y, exactly as cpu_gemm.cc slices it (rounding of a 256-term sum per block,
-// not of one K-term chain; and a row's bits match the GEMM's).
-constexpr int64_t KMAX = 256;
 constexpr int MT = 8;   // rows of x per register tile (x 2 vectors of columns)
 constexpr int PD = 32;  // rows of w prefetched ahead
 
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-
-inline vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+using akv::splat;
+using akv::vf;
+using akv::vload;
+using akv::vstore;
+using akv::W;
 
 // Columns [c0, c1) (multiples of 32 apart from the last piece) of rows [m0, m0 + MR).
 template <int MR, int NC = 2>
 void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
           int64_t c0, int64_t c1) {
-  const int64_t blocks = (K + KMAX - 1) / KMAX, kb = (K + blocks - 1) / blocks;
+  const int64_t kb = akv::k_slice(K);  // blocks of w's rows, summed as cpu_gemm.cc sums
   for (int64_t k0 = 0; k0 < K; k0 += kb) {
     const int64_t k1 = std::min<int64_t>(K, k0 + kb);
     int64_t c = c0;
