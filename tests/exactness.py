@@ -12,12 +12,17 @@ dense reference: tokens equal, float32 log-probs within 1e-4.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
+import jax
 import numpy as np
+import pytest
 
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import add_random_ops, parse_history
 from akv_jax.cache.timeline import timeline
+from akv_jax.model.config import tiny_config
+from akv_jax.model.params import init_params
 from akv_jax.serving.admission import pages_bound
 from akv_jax.serving.engine import Engine
 from akv_jax.serving.types import GenerateRequest, SamplingParams
@@ -207,3 +212,32 @@ def exact_in_any_order(make_engine: Callable[..., Engine], model, reqs: list[tup
         assert tiered.cache.host_used_pages == 0, "host pages leaked"
     assert not bad, "\n".join(bad)
     return stats
+
+
+def tiny_dense_model() -> SimpleNamespace:
+    """The tiny random Qwen3 of the dense protocol runs (seed 1), as the engine takes it."""
+    cfg = tiny_config("qwen3")
+    return SimpleNamespace(cfg=cfg, params=init_params(cfg, jax.random.key(1)), tokenizer=None)
+
+
+def check_protocol(model, topology: dict, num_requests: int, history_seed: int,
+                   order_seed: int, host_tier: bool = False) -> None:
+    """Random histories through :func:`exact_in_any_order` on ``topology`` (Engine keyword
+    arguments: ``tp``, ``disaggregate``), against the dense reference; the small pool must
+    really evict and restore. ``host_tier``: with the host tier's phases (once per topology:
+    the tier moves bytes, whatever the model). For the multidevice processes."""
+    if jax.device_count() < 4:
+        pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
+    dm = DenseModel(model.params, model.cfg)
+    reqs = random_histories(np.random.default_rng(history_seed), num_requests,
+                            vocab=model.cfg.vocab_size, answer=reference_answer(dm))
+    refs = dense_answers(dm, reqs)
+
+    def make_engine(**kw):
+        return Engine(model, attention_backend="reference", **topology, **kw)
+
+    stats = exact_in_any_order(make_engine, model, reqs, refs, seed=order_seed,
+                               host_tier=host_tier)
+    assert stats["evictions"] > 0 and stats["restores"] > 0
+    if host_tier:  # under tensor parallelism / disaggregation: spilled and reloaded
+        assert stats["offloaded_pages[all]"] > 0 and stats["reloaded_pages[all]"] > 0

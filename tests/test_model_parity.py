@@ -23,8 +23,11 @@ from converters.loading import load_model
 # bfloat16 tolerances, measured against transformers' float32 logits (bf16 weights *and*
 # activations; 8-bit mantissa, relative rounding ~4e-3 per op, accumulated over the layers):
 #   tiny_qwen3 max |diff| 0.034 (logit std 0.70), tiny_llama 0.079 (std 0.84); argmax agreement
-#   98.8% / 96.9% of positions.  SmolLM2 (30 layers, logits up to ~41): max |diff| over the
-#   golden top-8 entries 1.04, median 0.10; top-1 agreement 96.6-100% per chat.
+#   98.8% / 96.9% of positions; 90th percentile of the per-position max 0.025 / 0.050 (median
+#   0.020 / 0.036; measured on an AVX2 host, where tiny_llama's first exceeded the shared
+#   0.05 bound, which had been set from the MoE models' bulk). SmolLM2 (30 layers, logits up
+#   to ~41): max |diff| over the golden top-8 entries 1.04, median 0.10; top-1 agreement
+#   96.6-100% per chat.
 #   tiny_gpt_oss max |diff| 0.34 (std 0.64), but the 90th percentile of the per-position max
 #   is 0.021 (median 0.016). The tail is routing: at 9 of the 320 positions bf16 picks another
 #   top-2 expert set than float32 in some layer (near-tied router logits, a discrete jump);
@@ -41,7 +44,7 @@ BF16_TINY_ATOL = {
 }
 # 90th percentile of the per-position max |diff|: the bulk, with routing flips left out.
 BF16_TINY_P90 = 0.05
-BF16_TINY_P90_BY_NAME = {"tiny_qwen3_moe": 0.08}
+BF16_TINY_P90_BY_NAME = {"tiny_qwen3_moe": 0.08, "tiny_llama": 0.075}
 BF16_SMOLLM2_ATOL = 1.5
 BF16_MIN_ARGMAX_AGREEMENT = 0.93
 

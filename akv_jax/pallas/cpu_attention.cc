@@ -38,35 +38,26 @@ using akv::W;
 // SmolLM2 layer's 2,000-token prefill: 35.6 -> 33.2 ms against 128 keys, alternating runs).
 constexpr int TK = 64;
 constexpr int KV = TK / W;      // vectors per tile row of scores
-constexpr int QK_V = 4;         // key vectors per pass of the score product
 constexpr int RT = 4;           // query rows per register tile
+// Key vectors per pass of the score product, and head-dim vectors per pass of the value
+// product (0: all of the head): RT x that many accumulators, plus the loaded vectors and a
+// broadcast, must fit the vector registers (AVX-512's 32; AVX2's 16, where a whole
+// 64-wide head, 8 vectors a row, spilled: one SmolLM2 layer's 2,000-token prefill took
+// 105 ms against torch's 54).
+#ifdef __AVX512F__
+constexpr int QK_V = 4;
+constexpr int PV_V = 0;
+#else
+constexpr int QK_V = 2;
+constexpr int PV_V = 2;
+#endif
 constexpr int BLK_FIELDS = 6;   // seg, q_start, q_len, kv_pos, lo, hi
 
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-
-inline vi viload(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
-inline vi splati(int32_t x) { return vi{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-// Horizontal reductions as a tree of lane shuffles (4 steps, not a 16-long scalar chain).
-inline vf swap_halves(vf v, int step) {
-  switch (step) {
-    case 8: return __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    case 4: return __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    case 2: return __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    default: return __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  }
-}
-inline float hmax(vf v) {
-  for (int step = 8; step >= 1; step /= 2) {
-    const vf o = swap_halves(v, step);
-    v = v > o ? v : o;
-  }
-  return v[0];
-}
-inline float hsum(vf v) {
-  for (int step = 8; step >= 1; step /= 2) v += swap_halves(v, step);
-  return v[0];
-}
+using akv::hmax;
+using akv::hsum;
+using akv::splati;
+using akv::vi;
+using akv::viload;
 
 // exp(x) for x <= 0 (scores minus their running maximum), Cephes' expf: x = n ln2 + r,
 // |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built in the exponent bits. Below
@@ -103,7 +94,7 @@ struct Problem {
   float sm_scale;
 };
 
-// One (block, kv head) item. NV: Dh / 16 vectors per head row.
+// One (block, kv head) item. NV: Dh / W vectors per head row.
 template <int NV>
 void attend(const Problem& pb, int64_t b, int64_t h) {
   const int32_t* bk = pb.blk + b * BLK_FIELDS;
@@ -244,20 +235,26 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
           for (int n = 0; n < NV; ++n) vstore(a + n * W, vload(a + n * W) * splat(corr));
         }
       }
-      // Probabilities times values: RT rows x NV accumulators.
-      vf o[RT][NV];
-      for (int t = 0; t < RT; ++t)
-        for (int n = 0; n < NV; ++n) o[t][n] = vload(acc.data() + (r0 + t) * Dh + n * W);
-      for (int64_t j = 0; j < nk; ++j) {
-        vf vj[NV];
-        for (int n = 0; n < NV; ++n) vj[n] = vload(vp[j] + n * W);
-        for (int t = 0; t < RT; ++t) {
-          const vf pj = splat(p[t * TK + j]);
-          for (int n = 0; n < NV; ++n) o[t][n] += pj * vj[n];
+      // Probabilities times values: RT rows x NC head-dim vectors of accumulators a pass.
+      constexpr int NC = PV_V == 0 || PV_V > NV ? NV : PV_V;
+      static_assert(NV % NC == 0, "head_dim is a multiple of 16");
+      for (int n0 = 0; n0 < NV; n0 += NC) {
+        vf o[RT][NC];
+        for (int t = 0; t < RT; ++t)
+          for (int n = 0; n < NC; ++n)
+            o[t][n] = vload(acc.data() + (r0 + t) * Dh + (n0 + n) * W);
+        for (int64_t j = 0; j < nk; ++j) {
+          vf vj[NC];
+          for (int n = 0; n < NC; ++n) vj[n] = vload(vp[j] + (n0 + n) * W);
+          for (int t = 0; t < RT; ++t) {
+            const vf pj = splat(p[t * TK + j]);
+            for (int n = 0; n < NC; ++n) o[t][n] += pj * vj[n];
+          }
         }
+        for (int t = 0; t < RT; ++t)
+          for (int n = 0; n < NC; ++n)
+            vstore(acc.data() + (r0 + t) * Dh + (n0 + n) * W, o[t][n]);
       }
-      for (int t = 0; t < RT; ++t)
-        for (int n = 0; n < NV; ++n) vstore(acc.data() + (r0 + t) * Dh + n * W, o[t][n]);
     }
   }
 
@@ -273,10 +270,10 @@ using ItemFn = void (*)(const Problem&, int64_t, int64_t);
 
 template <int NV>
 ItemFn pick(int64_t nv) {
-  if constexpr (NV > 16) {
+  if constexpr (NV > 256 / W) {
     return nullptr;
   } else {
-    return nv == NV ? &attend<NV> : pick<NV + 1>(nv);
+    return nv == NV ? &attend<NV> : pick<NV + 16 / W>(nv);  // head_dim in 16s
   }
 }
 
@@ -303,7 +300,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   const int64_t L = kd[0], P = kd[1];
   const int64_t li = layer.typed_data()[0];
   if (li < 0 || li >= L) return ffi::Error::InvalidArgument("akv_cpu_attention: layer");
-  if (pb.Dh % W || pb.Dh / W > 16 || kd[4] != pb.Dh || pb.Hq % pb.Hkv)
+  if (pb.Dh % 16 || pb.Dh > 256 || kd[4] != pb.Dh || pb.Hq % pb.Hkv)
     return ffi::Error::InvalidArgument("akv_cpu_attention: head_dim must be 16..256, x16");
   const int64_t layer_size = P * pb.ps * pb.Hkv * pb.Dh;
   pb.q = q.typed_data();
@@ -316,7 +313,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   pb.sinks = has_sinks ? sinks.typed_data() : nullptr;
   pb.out = out->typed_data();
   std::memset(pb.out, 0, sizeof(float) * pb.T * pb.Hq * pb.Dh);  // rows no block covers
-  const ItemFn fn = pick<1>(pb.Dh / W);
+  const ItemFn fn = pick<16 / W>(pb.Dh / W);
   const int64_t n_items = blk.dimensions()[0] * pb.Hkv;
   akv::parallel_for(pool, n_items, [&pb, fn, n_items](int64_t it) {
     // Largest first: later blocks of a causal prefill see the most keys.

@@ -35,10 +35,11 @@ using akv::vstore;
 using akv::W;
 
 constexpr int NR = 2 * W;    // columns per panel
+// MR x 2 accumulators, 2 panel vectors and a broadcast in the CPU's vector registers.
 #ifdef __AVX512F__
-constexpr int MR = 14;       // 28 accumulators, 2 panel vectors, 1 broadcast: 31 registers
+constexpr int MR = 14;  // 28 + 2 + 1 of 32
 #else
-constexpr int MR = 4;
+constexpr int MR = 6;   // 12 + 2 + 1 of AVX2's 16
 #endif
 constexpr int PD = 8;  // k steps of software prefetch ahead in the panel's stream
 constexpr int64_t MC = 12 * MR;  // rows of x per item

@@ -5,26 +5,61 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace akv {
 
-// GCC vector extensions, 16 floats: AVX-512 with -march=native where the CPU has it, pairs
-// of AVX2 registers otherwise.
+// GCC vector extensions of the CPU's own register width (-march=native): 16 floats with
+// AVX-512, 8 with AVX2. A 16-float type on an AVX2 CPU is not a pair of registers to GCC
+// but a memory object: the GEMM's accumulators lived on the stack, shuffled through
+// general registers every step (this host, an AVX2 EPYC: the 2,048 x 576 x 1,536 product
+// 3-4x slower than with 8).
+#ifdef __AVX512F__
 constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
 inline vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vi viload(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
+
 // Lane by lane, not ``vf{} + x``: 0 + x is not x for x = -0, so that form costs an add
 // before every broadcast in the inner loops.
-inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+template <typename V, typename T, std::size_t... I>
+inline V splat_lanes(T x, std::index_sequence<I...>) { return V{((void)I, x)...}; }
+inline vf splat(float x) { return splat_lanes<vf>(x, std::make_index_sequence<W>{}); }
+inline vi splati(int32_t x) { return splat_lanes<vi>(x, std::make_index_sequence<W>{}); }
+
+// v with lane i swapped for lane i ^ STEP (STEP a power of two below W): the steps of a
+// horizontal reduction as a tree of shuffles, not a W-long scalar chain.
+template <int STEP, std::size_t... I>
+inline vf xor_lanes(vf v, std::index_sequence<I...>) {
+  return __builtin_shuffle(v, vi{static_cast<int32_t>(I ^ STEP)...});
+}
+template <int STEP = W / 2>
+inline float hsum(vf v) {
+  v += xor_lanes<STEP>(v, std::make_index_sequence<W>{});
+  if constexpr (STEP > 1) return hsum<STEP / 2>(v);
+  else return v[0];
+}
+template <int STEP = W / 2>
+inline float hmax(vf v) {
+  const vf o = xor_lanes<STEP>(v, std::make_index_sequence<W>{});
+  v = v > o ? v : o;
+  if constexpr (STEP > 1) return hmax<STEP / 2>(v);
+  else return v[0];
+}
 
 // k per slice for a product of depth K in cpu_matmul.cc and cpu_gemm.cc: equal slices of at
 // most 256, each summed from zero as one chain of fused multiply-adds, then added to the
 // output in order. One chain over all of K rounds like a sum of K terms (SmolLM2's
 // 1,536-deep down projection: twice XLA's error, max |err| 2.7e-4 against float64 on random
 // normals), slices of 256 like one of ~256 + K / 256 (8.2e-5; XLA, which cuts K at 512,
-// 1.3e-4). Both kernels slicing alike is what makes a row's bits independent of the batch.
+// 1.3e-4). Both kernels slicing alike is what makes a row's bits independent of the batch
+// (whatever the vector width: each output is its own chain).
 inline int64_t k_slice(int64_t K) {
   constexpr int64_t kMax = 256;
   const int64_t slices = (K + kMax - 1) / kMax;

@@ -114,7 +114,11 @@ def grouped_matmul_tiled(
         out_dtype = lhs.dtype
 
         def weight(g):
-            return dequantize_mxfp4(rhs.blocks[g], rhs.scales[g], lhs.dtype)
+            # The barrier keeps the dequantisation out of the product: fused into it, XLA:CPU
+            # (on AVX2 hosts) emits its own loop for the dot, which sums in another order than
+            # the GEMM a dense weight gets, and packed and dense weights would differ.
+            return jax.lax.optimization_barrier(
+                dequantize_mxfp4(rhs.blocks[g], rhs.scales[g], lhs.dtype))
     else:
         out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
 
