@@ -28,3 +28,30 @@ def _fresh_jax_caches():
     import jax
 
     jax.clear_caches()
+
+
+# The longest test files (CI's --durations), longest first: pytest-xdist's --dist loadfile
+# hands files to its workers in collection order, so a long file collected last ran alone at
+# the end while the other worker sat idle (test_soak.py's minute did).
+LONGEST_FIRST = (
+    "test_exact_any_order_moe_multidevice.py",
+    "test_exact_any_order_disaggregated_multidevice.py",
+    "test_exact_any_order_multidevice.py",
+    "test_train_multidevice.py",
+    "test_engine_exact.py",
+    "test_gpt_oss_ops.py",
+    "test_gpt_oss_mxfp4.py",
+    "test_model_parity.py",
+    "test_exact_any_order.py",
+    "test_train_cli.py",
+    "test_server_main.py",
+    "test_qwen3_moe_ops.py",
+    "test_soak.py",
+    "test_cache_core.py",
+    "test_notebook.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep order

@@ -1,11 +1,12 @@
 // Matrix products with many rows for XLA:CPU: y[M, N] = x[M, K] @ w[K, N], float32 (prefill
 // and restore steps' projections), the CPU kernel of akv_jax.pallas.cpu_matmul.
 //
-// A blocked GEMM. w is packed into panels of 32 columns ([K][32], contiguous, zero-padded
-// past N: read in place, a panel's rows are N floats apart and fall into a few L1 sets),
-// at most PACK_BYTES of them at a time. Items are (MC-row chunk of x) x (range of panels);
-// for each slice of k and each panel, an item runs the register kernel over its rows MR at
-// a time: MR x 32 accumulators, a panel row of w in two vectors, one broadcast of x per row,
+// A blocked GEMM. w is packed into panels of NR = 2 vectors of columns (32 with AVX-512, 16
+// with AVX2; [K][NR], contiguous, zero-padded past N: read in place, a panel's rows are N
+// floats apart and fall into a few L1 sets), at most PACK_BYTES of them at a time. Items
+// are (MC-row chunk of x) x (range of panels); for each slice of k and each panel, an item
+// runs the register kernel over its rows MR at a time: MR x NR accumulators, a panel row of
+// w in two vectors, one broadcast of x per row,
 // x read in place (MR sequential streams; a last, short micro-panel from a zero-padded
 // copy). The panel's slice of w stays in L1 across the chunk's micro-panels; it is
 // prefetched in software, and the next panel's into L2 (on this 2-core VM the hardware
