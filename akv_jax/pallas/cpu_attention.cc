@@ -51,6 +51,7 @@ constexpr int PV_V = 0;
 constexpr int QK_V = 2;
 constexpr int PV_V = 2;
 #endif
+static_assert(KV % QK_V == 0, "the score passes cover the tile's key vectors exactly");
 constexpr int BLK_FIELDS = 6;   // seg, q_start, q_len, kv_pos, lo, hi
 
 using akv::hmax;
