@@ -263,9 +263,12 @@ def test_warm_up_shapes_covers_the_steps_and_leaves_no_trace(model):
     assert _forward_step._cache_size() == compiled
 
 
-# The quarter tier also runs in the any-order harness on every CI run: slow-marked here.
+# Both tiers run in the any-order harness on every CI run (test_exact_any_order.py, "auto"),
+# and prefill slices in test_chunked_prefill_matches_reference: slow-marked here (a minute
+# each), where they meet.
 @pytest.mark.parametrize("host, chunk", [
-    ("all", 3), pytest.param("a quarter", 4096, marks=pytest.mark.slow)])
+    pytest.param("all", 3, marks=pytest.mark.slow),
+    pytest.param("a quarter", 4096, marks=pytest.mark.slow)])
 def test_host_tier_round_trips_are_exact(model, host, chunk):
     """A device pool that holds just the largest request and a host tier that holds the rest
     (every evicted live page is spilled, and reloaded when read again; prefill in 3-row
