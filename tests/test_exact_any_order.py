@@ -4,7 +4,6 @@ exactness.py, against the dense reference. The multidevice process runs the same
 with ``--tp 2`` and ``--disaggregate 2,2`` and on the mixture-of-experts models
 (test_exact_any_order_*multidevice.py)."""
 
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -17,12 +16,11 @@ from exactness import (
     random_histories,
     reference_answer,
     run_requests,
+    tiny_dense_model,
 )
 
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history
-from akv_jax.model.config import tiny_config
-from akv_jax.model.params import init_params
 from akv_jax.pallas import cpu_matmul
 from akv_jax.serving.engine import Engine
 from akv_jax.serving.types import GenerateRequest, SamplingParams
@@ -32,11 +30,9 @@ NUM_REQUESTS = 24
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = tiny_config("qwen3")
-    params = init_params(cfg, jax.random.key(1))
-    model = SimpleNamespace(cfg=cfg, params=params, tokenizer=None)
-    dm = DenseModel(params, cfg)
-    reqs = random_histories(np.random.default_rng(1), NUM_REQUESTS, vocab=cfg.vocab_size,
+    model = tiny_dense_model()
+    dm = DenseModel(model.params, model.cfg)
+    reqs = random_histories(np.random.default_rng(1), NUM_REQUESTS, vocab=model.cfg.vocab_size,
                             answer=reference_answer(dm))
     return model, reqs, dense_answers(dm, reqs)
 
