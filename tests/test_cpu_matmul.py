@@ -103,7 +103,7 @@ def test_project_takes_kernels_for_float32_rows(eq, x_in, w_shape):
     for rows, dtype, target in ((8, jnp.float32, cpu_matmul.TARGET),
                                 (2, jnp.float32, cpu_matmul.TARGET),
                                 (1, jnp.float32, None),
-                                (64, jnp.float32, None),
+                                (32, jnp.float32, None),
                                 (cpu_matmul.MIN_GEMM_ROWS, jnp.float32, cpu_matmul.TARGET_GEMM),
                                 (8, jnp.bfloat16, None)):
         x = jnp.asarray(rng.standard_normal((rows, *x_in)).astype(np.float32), dtype)
@@ -120,8 +120,9 @@ def test_project_takes_kernels_for_float32_rows(eq, x_in, w_shape):
 @pytest.mark.parametrize("tied", [True, False])
 def test_output_head_takes_kernel_for_decode_rows(tied):
     """The vocabulary projection of 8 float32 rows runs the few-row kernel (tied: the
-    embedding as [V, D]); of 64 rows XLA's matmul; of MIN_GEMM_ROWS the GEMM (untied) or
-    XLA's matmul (tied); all equal XLA's one-row products."""
+    embedding as [V, D]); of 32 rows (past the few-row kernel, below the GEMM) XLA's matmul;
+    of MIN_GEMM_ROWS the GEMM (untied) or XLA's matmul (tied); all equal XLA's one-row
+    products."""
     import dataclasses
 
     from akv_jax.model.config import tiny_config
@@ -132,7 +133,7 @@ def test_output_head_takes_kernel_for_decode_rows(tied):
     params = init_params(cfg, jax.random.PRNGKey(0))
     assert (params.lm_head is None) == tied
     few = cpu_matmul.TARGET_NT if tied else cpu_matmul.TARGET
-    for rows, target in ((8, few), (64, None),
+    for rows, target in ((8, few), (32, None),
                          (cpu_matmul.MIN_GEMM_ROWS, None if tied else cpu_matmul.TARGET_GEMM)):
         x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size)),
                         jnp.float32)

@@ -28,10 +28,16 @@ TARGET = "akv_cpu_matmul"  # x [M, K] @ w [K, N], 2..MAX_ROWS rows
 TARGET_NT = "akv_cpu_matmul_nt"  # x [M, K] @ w [N, K]^T, 2..MAX_ROWS rows
 TARGET_GEMM = "akv_cpu_gemm"  # x [M, K] @ w [K, N], more rows
 MAX_ROWS = 16  # the few-row kernel's: decode buckets 8 and 16; prefill rows start at 64
-# Fewest rows for which a model's projections take the GEMM. SmolLM2's prefill forward, A/B
-# in one process (medians): 384 rows 0.635 -> 0.665 s (XLA's fused products win), 768 rows
-# 1.358 -> 1.324 s, 2,048 rows 4.16 -> 3.71 s.
-MIN_GEMM_ROWS = 768
+# Fewest rows for which a model's projections take the GEMM: every prefill bucket (64 rows
+# and up), so a prefill row's bits depend neither on the rows around it nor on the host. XLA's
+# own products block by the host's cache sizes: on an AVX-512 Zen 4 host they put SmolLM2's
+# 146-token prompt 1.2e-4 from transformers (the parity bound is 1e-4); the GEMM, 5.9e-5.
+# Speed, SmolLM2 prefill forward on that host (ms, two alternating rounds, XLA / GEMM):
+# 64 rows 184-219 / 204-214, 128 rows 286-314 / 288-359, 256 rows 503-505 / 504-505,
+# 384 rows 708-769 / 696-730, 768 rows 1,484-1,559 / 1,443-1,599 (at 128 rows the GEMM was
+# 318-320 before a short last micro-panel got its own register count). Decode rows past
+# MAX_ROWS (24, 32, 48) keep XLA's products.
+MIN_GEMM_ROWS = 64
 
 
 def available() -> bool:
