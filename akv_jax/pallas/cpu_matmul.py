@@ -6,11 +6,11 @@ A decode step of 2-16 rows streams every weight once, so its projections should 
 path is compute-bound there instead (SmolLM2's MLP weights: 11.9 ms at 1 row, 22.0 ms at 8).
 The few-row kernel reads each weight once in sequential blocks of rows, for up to 8 rows of
 ``x`` in registers. A prefill's many rows take a blocked GEMM (packed panels of ``w``,
-register tiles of 14 x 32 with AVX-512, 6 x 16 with AVX2), from MIN_GEMM_ROWS up, where it
-beats XLA's own. Both sum every output the
-same way (a chain of fused multiply-adds per slice of at most 256 ``k``, slices added in
-order: more accurate than one chain over all of ``k``, and than XLA's slices of 512), so a
-row's result is the same bits whichever kernel ran and however many rows the call had.
+register tiles of 14 x 32 with AVX-512, 6 x 16 with AVX2), from MIN_GEMM_ROWS up (every
+prefill bucket), at XLA's speed or better. Both sum every output the same way (a chain of
+fused multiply-adds per slice of at most 256 ``k``, slices added in order: more accurate than
+one chain over all of ``k``, and than XLA's slices of 512), so a row's result is the same
+bits whichever kernel ran, however many rows the call had and whatever the host's caches.
 
 :func:`matmul` is used by :func:`akv_jax.model.forward.project` and ``lm_logits`` on the CPU
 only (``jax.lax.platform_dependent``: a GPU or TPU lowering, deviceless ones included, keeps
