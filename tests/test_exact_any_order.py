@@ -22,6 +22,7 @@ from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history
 from akv_jax.pallas import cpu_matmul
 from akv_jax.serving.engine import Engine
+from akv_jax.serving.executor import PREFILL_BLOCK_Q, token_bucket
 from akv_jax.serving.types import GenerateRequest, SamplingParams
 
 NUM_REQUESTS = 24
@@ -66,8 +67,8 @@ def test_exact_in_any_order(setup, backend, chunk, count):
         return Engine(model, attention_backend=backend, prefill_chunk=chunk, **kw)
 
     # "auto" runs every CPU kernel: the fused attention, the few-row matmul for decode rows
-    # and the GEMM for every prefill forward (MIN_GEMM_ROWS is the smallest prefill bucket).
-    assert cpu_matmul.MIN_GEMM_ROWS <= 64
+    # and the GEMM for every prefill forward (from the smallest prefill bucket up).
+    assert cpu_matmul.MIN_GEMM_ROWS <= token_bucket(1, PREFILL_BLOCK_Q)
     host_tier = backend == "auto"  # the tier moves bytes: one backend covers it
     stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7, host_tier=host_tier)
     # The small pool really evicted and restored, dead KV first.
