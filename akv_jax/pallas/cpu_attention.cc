@@ -9,14 +9,15 @@
 //
 // One work item is (query block, kv head): its G query heads x q_len rows against the
 // block's keys. Items run on XLA's intra-op thread pool, largest (latest causal) first.
-// Vectors are GCC vector extensions (16 floats): AVX-512 with -march=native where the CPU
-// has it, pairs of AVX2 registers otherwise.
+// Vectors are GCC vector extensions of the CPU's own width (cpu_vec.h, -march=native): 16
+// floats with AVX-512, 8 with AVX2.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_pool.h"
@@ -38,19 +39,26 @@ using akv::W;
 // SmolLM2 layer's 2,000-token prefill: 35.6 -> 33.2 ms against 128 keys, alternating runs).
 constexpr int TK = 64;
 constexpr int KV = TK / W;      // vectors per tile row of scores
-constexpr int RT = 4;           // query rows per register tile
-// Key vectors per pass of the score product, and head-dim vectors per pass of the value
-// product (0: all of the head): RT x that many accumulators, plus the loaded vectors and a
-// broadcast, must fit the vector registers (AVX-512's 32; AVX2's 16, where a whole
-// 64-wide head, 8 vectors a row, spilled: one SmolLM2 layer's 2,000-token prefill took
-// 105 ms against torch's 54).
+// Query rows per register tile, and the vectors per pass of each product: the score
+// product keeps RT x QK_V accumulators, the value product RT x PV_V (0: all of the head),
+// and with the loaded vectors and a broadcast they must fit the vector registers (AVX-512's
+// 32; AVX2's 16, where a whole 64-wide head, 8 vectors a row, spilled: one SmolLM2 layer's
+// 2,000-token prefill took 105 ms against torch's 54). 12 accumulators on AVX2 rather than
+// 8: a fused multiply-add's latency is 4 cycles on two pipes, so 8 chains just cover it,
+// and each step's 2 vector loads and RT broadcasts feed 12 multiply-adds instead of 8.
 #ifdef __AVX512F__
+constexpr int RT = 4;
 constexpr int QK_V = 4;
 constexpr int PV_V = 0;
 #else
+constexpr int RT = 6;
 constexpr int QK_V = 2;
 constexpr int PV_V = 2;
 #endif
+// Rows per tile on the few-row path (a decode step: one token's G query heads), whose
+// scores are dot products read straight from the pool, a head of query vectors a row.
+constexpr int RT_FEW = 4;
+constexpr int RT_MAX = RT > RT_FEW ? RT : RT_FEW;
 static_assert(KV % QK_V == 0, "the score passes cover the tile's key vectors exactly");
 constexpr int BLK_FIELDS = 6;   // seg, q_start, q_len, kv_pos, lo, hi
 
@@ -104,7 +112,8 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
   if (seg < 0 || q_len <= 0) return;
   const int64_t G = pb.G, Dh = NV * W, Hq = pb.Hq, ps = pb.ps;
   const int64_t R = int64_t(q_len) * G;               // real rows: (i, g) -> i * G + g
-  const int64_t Rp = (R + RT - 1) / RT * RT;          // padded to whole register tiles
+  // Padded to whole register tiles (the few-row path reads RT_FEW rows).
+  const int64_t Rp = std::max<int64_t>((R + RT - 1) / RT * RT, RT_FEW);
 
   std::vector<float> qs(Rp * Dh, 0.f), acc(Rp * Dh, 0.f), m(Rp), l(Rp);
   std::vector<int32_t> pos(Rp, -1), wlo(Rp, 0);
@@ -129,10 +138,10 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
 
   // Few rows (a decode step: one token's G query heads) score each key with dot products
   // read straight from the pool; many rows share one transposed copy of the tile's keys.
-  const bool few_rows = R <= RT;
+  const bool few_rows = R <= RT_FEW;
   alignas(64) float kt[NV * W * TK];  // keys transposed: [Dh][TK] (many rows)
   alignas(64) int32_t sp[TK];
-  alignas(64) float p[RT * TK];  // a row tile's scores, then its probabilities
+  alignas(64) float p[RT_MAX * TK];  // a row tile's scores, then its probabilities
   alignas(64) static const float zeros[NV * W] = {};
   const float* kp[TK];  // each key's and value's row in the pool; zeros where masked
   const float* vp[TK];  // (a masked slot may hold NaN, and 0 * NaN is NaN)
@@ -141,122 +150,148 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
   const int64_t stride = pb.Hkv * Dh;  // between consecutive slots of a page
   const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
   int32_t max_pos = kv_pos + q_len - 1;
+  int64_t nk = 0;        // the current tile's keys
+  bool dense = false;    // all TK of them hold a key (none masked by position yet)
+  int32_t smin = 0, smax = 0;  // their view positions' range, when dense
+  vi spv[KV];
+
+  // NT query rows from r0 against the current tile: scores, the online softmax, and the
+  // probabilities times the values into the rows' accumulators.
+  auto row_tile = [&](auto nt_tag, auto few_tag, int64_t r0) {
+    constexpr int NT = decltype(nt_tag)::value;
+    constexpr bool FEW = decltype(few_tag)::value;
+    const float* qr = qs.data() + r0 * Dh;
+    if constexpr (FEW) {
+      vf qv[NT][NV];
+      for (int t = 0; t < NT; ++t)
+        for (int n = 0; n < NV; ++n) qv[t][n] = vload(qr + t * Dh + n * W);
+      for (int64_t j = 0; j < TK; ++j) {
+        vf kv[NV];
+        for (int n = 0; n < NV; ++n) kv[n] = vload(kp[j] + n * W);
+        for (int t = 0; t < NT; ++t) {
+          vf a = qv[t][0] * kv[0];
+          for (int n = 1; n < NV; ++n) a += qv[t][n] * kv[n];
+          p[t * TK + j] = hsum(a);
+        }
+      }
+    } else {
+      // Scores of NT rows x TK keys, QK_V key vectors at a time: NT * QK_V accumulators in
+      // registers, each key vector loaded once for NT rows.
+      for (int c0 = 0; c0 < KV; c0 += QK_V) {
+        vf acc_s[NT][QK_V];
+        for (int t = 0; t < NT; ++t)
+          for (int c = 0; c < QK_V; ++c) acc_s[t][c] = vf{};
+        for (int64_t d = 0; d < Dh; ++d) {
+          vf kd[QK_V];
+          for (int c = 0; c < QK_V; ++c) kd[c] = vload(kt + d * TK + (c0 + c) * W);
+          for (int t = 0; t < NT; ++t) {
+            const vf qd = splat(qr[t * Dh + d]);
+            for (int c = 0; c < QK_V; ++c) acc_s[t][c] += qd * kd[c];
+          }
+        }
+        for (int t = 0; t < NT; ++t)
+          for (int c = 0; c < QK_V; ++c) vstore(p + t * TK + (c0 + c) * W, acc_s[t][c]);
+      }
+    }
+    // Every key of the tile visible to every row (most tiles of a long prefill: all keys
+    // before the block's first row, inside every row's window): no masks to build or apply.
+    // (Padding rows, at position -1, never are.)
+    bool full = dense;
+    for (int t = 0; t < NT && full; ++t) full = pos[r0 + t] >= smax && wlo[r0 + t] <= smin;
+    // Online softmax per row, in place: scores -> probabilities (0 where masked).
+    for (int t = 0; t < NT; ++t) {
+      const int64_t r = r0 + t;
+      vf sc[KV];
+      vi ok[KV];
+      vf vmax = neg_inf;
+      if (full) {
+        for (int c = 0; c < KV; ++c) {
+          sc[c] = vload(p + t * TK + c * W);
+          vmax = vmax > sc[c] ? vmax : sc[c];
+        }
+      } else {
+        const vi rp = splati(pos[r]), rw = splati(wlo[r]);
+        for (int c = 0; c < KV; ++c) {
+          ok[c] = (spv[c] >= splati(0)) & (spv[c] <= rp) & (spv[c] >= rw);
+          sc[c] = ok[c] ? vload(p + t * TK + c * W) : neg_inf;
+          vmax = vmax > sc[c] ? vmax : sc[c];
+        }
+      }
+      const float tmax = hmax(vmax);
+      if (!(tmax > -std::numeric_limits<float>::infinity())) {  // nothing visible here
+        std::memset(p + t * TK, 0, TK * sizeof(float));
+        continue;
+      }
+      const float m_new = std::max(m[r], tmax);
+      const vf mv = splat(m_new);
+      vf sum = vf{};
+      for (int c = 0; c < KV; ++c) {
+        vf e = vexp(sc[c] - mv);
+        if (!full) e = ok[c] ? e : vf{};
+        sum += e;
+        vstore(p + t * TK + c * W, e);
+      }
+      const float corr = std::exp(m[r] - m_new);  // 0 when m was -inf
+      l[r] = l[r] * corr + hsum(sum);
+      m[r] = m_new;
+      if (corr != 1.f) {
+        float* a = acc.data() + r * Dh;
+        for (int n = 0; n < NV; ++n) vstore(a + n * W, vload(a + n * W) * splat(corr));
+      }
+    }
+    // Probabilities times values: NT rows x NC head-dim vectors of accumulators a pass.
+    constexpr int NC = PV_V == 0 || PV_V > NV ? NV : PV_V;
+    static_assert(NV % NC == 0, "the value passes cover the head exactly");
+    for (int n0 = 0; n0 < NV; n0 += NC) {
+      vf o[NT][NC];
+      for (int t = 0; t < NT; ++t)
+        for (int n = 0; n < NC; ++n) o[t][n] = vload(acc.data() + (r0 + t) * Dh + (n0 + n) * W);
+      for (int64_t j = 0; j < nk; ++j) {
+        vf vj[NC];
+        for (int n = 0; n < NC; ++n) vj[n] = vload(vp[j] + (n0 + n) * W);
+        for (int t = 0; t < NT; ++t) {
+          const vf pj = splat(p[t * TK + j]);
+          for (int n = 0; n < NC; ++n) o[t][n] += pj * vj[n];
+        }
+      }
+      for (int t = 0; t < NT; ++t)
+        for (int n = 0; n < NC; ++n) vstore(acc.data() + (r0 + t) * Dh + (n0 + n) * W, o[t][n]);
+    }
+  };
 
   for (int64_t k0 = lo * ps; k0 < hi * ps; k0 += TK) {
-    const int64_t nk = std::min<int64_t>(TK, hi * ps - k0);
+    nk = std::min<int64_t>(TK, hi * ps - k0);
     bool any = false;
+    dense = true;
+    smin = std::numeric_limits<int32_t>::max();
+    smax = -1;
     for (int64_t j = 0; j < TK; ++j) {
       int32_t s = j < nk ? seg_pos[k0 + j] : -1;
       if (s > max_pos) s = -1;
       sp[j] = s;
       if (s < 0) {
+        dense = false;
         kp[j] = vp[j] = zeros;
         continue;
       }
       any = true;
+      smin = std::min(smin, s);
+      smax = std::max(smax, s);
       const int64_t kk = k0 + j;
       const int64_t slot = int64_t(seg_pages[kk / ps]) * ps + kk % ps;
       kp[j] = pb.k + slot * stride + h * Dh;
       vp[j] = pb.v + slot * stride + h * Dh;
     }
     if (!any) continue;
-    if (!few_rows) {
-      for (int64_t j = 0; j < TK; ++j)
-        for (int64_t d = 0; d < Dh; ++d) kt[d * TK + j] = kp[j][d];
-    }
-    vi spv[KV];
     for (int c = 0; c < KV; ++c) spv[c] = viload(sp + c * W);
-
-    for (int64_t r0 = 0; r0 < R; r0 += RT) {
-      // Scores of RT rows x TK keys, QK_V key vectors at a time: RT * QK_V accumulators
-      // in registers, each key vector loaded once for RT rows.
-      const float* qr = qs.data() + r0 * Dh;
-      if (few_rows) {
-        vf qv[RT][NV];
-        for (int t = 0; t < RT; ++t)
-          for (int n = 0; n < NV; ++n) qv[t][n] = vload(qr + t * Dh + n * W);
-        for (int64_t j = 0; j < TK; ++j) {
-          vf kv[NV];
-          for (int n = 0; n < NV; ++n) kv[n] = vload(kp[j] + n * W);
-          for (int t = 0; t < RT; ++t) {
-            vf a = qv[t][0] * kv[0];
-            for (int n = 1; n < NV; ++n) a += qv[t][n] * kv[n];
-            p[t * TK + j] = hsum(a);
-          }
-        }
-      }
-      for (int c0 = 0; c0 < KV && !few_rows; c0 += QK_V) {
-        vf acc_s[RT][QK_V];
-        for (int t = 0; t < RT; ++t)
-          for (int c = 0; c < QK_V; ++c) acc_s[t][c] = vf{};
-        for (int64_t d = 0; d < Dh; ++d) {
-          vf kd[QK_V];
-          for (int c = 0; c < QK_V; ++c) kd[c] = vload(kt + d * TK + (c0 + c) * W);
-          for (int t = 0; t < RT; ++t) {
-            const vf qd = splat(qr[t * Dh + d]);
-            for (int c = 0; c < QK_V; ++c) acc_s[t][c] += qd * kd[c];
-          }
-        }
-        for (int t = 0; t < RT; ++t)
-          for (int c = 0; c < QK_V; ++c) vstore(p + t * TK + (c0 + c) * W, acc_s[t][c]);
-      }
-      // Online softmax per row, in place: scores -> probabilities (0 where masked).
-      bool live[RT];
-      for (int t = 0; t < RT; ++t) {
-        const int64_t r = r0 + t;
-        const vi rp = splati(pos[r]), rw = splati(wlo[r]);
-        vf sc[KV];
-        vi ok[KV];
-        vf vmax = neg_inf;
-        for (int c = 0; c < KV; ++c) {
-          ok[c] = (spv[c] >= splati(0)) & (spv[c] <= rp) & (spv[c] >= rw);
-          sc[c] = ok[c] ? vload(p + t * TK + c * W) : neg_inf;
-          vmax = vmax > sc[c] ? vmax : sc[c];
-        }
-        const float tmax = hmax(vmax);
-        live[t] = tmax > -std::numeric_limits<float>::infinity();
-        if (!live[t]) {  // nothing visible to this row in the tile
-          std::memset(p + t * TK, 0, TK * sizeof(float));
-          continue;
-        }
-        const float m_new = std::max(m[r], tmax);
-        const vf mv = splat(m_new);
-        vf sum = vf{};
-        for (int c = 0; c < KV; ++c) {
-          vf e = vexp(sc[c] - mv);
-          e = ok[c] ? e : vf{};
-          sum += e;
-          vstore(p + t * TK + c * W, e);
-        }
-        const float corr = std::exp(m[r] - m_new);  // 0 when m was -inf
-        l[r] = l[r] * corr + hsum(sum);
-        m[r] = m_new;
-        if (corr != 1.f) {
-          float* a = acc.data() + r * Dh;
-          for (int n = 0; n < NV; ++n) vstore(a + n * W, vload(a + n * W) * splat(corr));
-        }
-      }
-      // Probabilities times values: RT rows x NC head-dim vectors of accumulators a pass.
-      constexpr int NC = PV_V == 0 || PV_V > NV ? NV : PV_V;
-      static_assert(NV % NC == 0, "head_dim is a multiple of 16");
-      for (int n0 = 0; n0 < NV; n0 += NC) {
-        vf o[RT][NC];
-        for (int t = 0; t < RT; ++t)
-          for (int n = 0; n < NC; ++n)
-            o[t][n] = vload(acc.data() + (r0 + t) * Dh + (n0 + n) * W);
-        for (int64_t j = 0; j < nk; ++j) {
-          vf vj[NC];
-          for (int n = 0; n < NC; ++n) vj[n] = vload(vp[j] + (n0 + n) * W);
-          for (int t = 0; t < RT; ++t) {
-            const vf pj = splat(p[t * TK + j]);
-            for (int n = 0; n < NC; ++n) o[t][n] += pj * vj[n];
-          }
-        }
-        for (int t = 0; t < RT; ++t)
-          for (int n = 0; n < NC; ++n)
-            vstore(acc.data() + (r0 + t) * Dh + (n0 + n) * W, o[t][n]);
-      }
+    if (few_rows) {
+      row_tile(std::integral_constant<int, RT_FEW>{}, std::true_type{}, 0);
+      continue;
     }
+    for (int64_t j = 0; j < TK; ++j)
+      for (int64_t d = 0; d < Dh; ++d) kt[d * TK + j] = kp[j][d];
+    for (int64_t r0 = 0; r0 < R; r0 += RT)
+      row_tile(std::integral_constant<int, RT>{}, std::false_type{}, r0);
   }
 
   for (int64_t r = 0; r < R; ++r) {
