@@ -59,6 +59,23 @@ def test_kernel_sinks_and_window_match_oracle(window):
     _assert_close(got, want, jnp.float32)
 
 
+def test_kernel_unmasked_tiles_inside_a_window_match_oracle():
+    """A window wider than a key tile plus a register tile's rows: the tiles that lie whole
+    inside every row's window (and before the block's first row) take the kernel's unmasked
+    path; the tiles at the window's far edge and on the diagonal stay masked. 512 rows in
+    blocks of 64, SmolLM2's head dim and group (register tiles of 6 rows on AVX2)."""
+    case = make("long", page_size=16)
+    q, k, v, batch = cases.materialize(
+        case, np.random.default_rng(4), num_kv_heads=2, group=3, head_dim=64
+    )
+    sinks = jnp.linspace(-1.0, 2.0, 6)
+    for window in (150, None):
+        got = segment_attention_cpu(q, k, v, batch, block_q=case.block_q, sm_scale=0.125,
+                                    sinks=sinks, sliding_window=window)
+        want = dense_oracle(q, k, v, case.specs, 16, 0.125, sinks=sinks, window=window)
+        _assert_close(got, want, jnp.float32)
+
+
 def test_kernel_tiles_nan_pool_and_padding_segments():
     """Views longer than one 128-key tile whose block ranges start past page 0 (window), a
     dropped span in the middle of a tile, a padding segment, pool slots outside every view
