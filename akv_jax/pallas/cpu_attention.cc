@@ -46,8 +46,12 @@ constexpr int KV = TK / W;      // vectors per tile row of scores
 // 2,000-token prefill took 105 ms against torch's 54). 12 accumulators on AVX2 rather than
 // 8: a fused multiply-add's latency is 4 cycles on two pipes, so 8 chains just cover it,
 // and each step's 2 vector loads and RT broadcasts feed 12 multiply-adds instead of 8.
+// AVX-512: 6 rows x the whole 64-key tile (4 vectors) is 24 accumulators, with the 4 key
+// vectors and a broadcast 29 of 32 registers; each d step's 4 loads and 6 broadcasts feed
+// 24 multiply-adds (4 rows: 16; one SmolLM2 layer's 2,000-token prefill on a Zen 4 host,
+// alternating: 37.7 -> 33.8 ms and 32.5 -> 29.6 ms, same bits; 5 and 7 rows no better).
 #ifdef __AVX512F__
-constexpr int RT = 4;
+constexpr int RT = 6;
 constexpr int QK_V = 4;
 constexpr int PV_V = 0;
 #else
