@@ -39,9 +39,9 @@ def test_matches_float64(rows, k, n):
 
 
 @pytest.mark.parametrize("rows,k,n", [
-    (17, 64, 96),     # one micro-panel of 14 rows and a short one
-    (29, 37, 70),     # a panel narrower than 32 columns
-    (200, 130, 16),   # several row chunks (168 rows each), one narrow panel
+    (17, 64, 96),     # two micro-panels of 6 rows and a short one; a short panel (64 cols)
+    (29, 37, 70),     # a panel narrower than the 64 (AVX-512) or 16 (AVX2) columns
+    (200, 130, 16),   # several row chunks (72 rows each), one narrow panel
     (40, 2100, 33),   # two slices of k: the second adds to the first's sums
     (20, 64, 66000),  # w packed in two parts (16 MiB at a time), the last one short
 ])
@@ -68,6 +68,41 @@ def test_rows_do_not_depend_on_the_batch():
     np.testing.assert_array_equal(np.asarray(mm(x[:16], w)), full[:16])
     np.testing.assert_array_equal(np.asarray(mm(x[290:], w)), full[290:])
     np.testing.assert_array_equal(np.asarray(mm(x[::-1], w)), full[::-1])
+
+
+@pytest.mark.parametrize("live", [0, 1, 5, 6, 13, 100, 299, 300, 400, -3])
+def test_gemm_skips_rows_past_live(live):
+    """Rows from ``live`` on (a step's padding) come back zero, the rows before it the same
+    bits as without ``live``, whether ``live`` ends inside a micro-panel, a chunk, or past
+    the rows (clamped); the non-CPU lowering masks alike."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((300, 200)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((200, 80)).astype(np.float32))
+    full = np.asarray(jax.jit(cpu_matmul.matmul)(x, w))
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(x, w, jnp.int32(live)))
+    n = min(max(live, 0), 300)
+    np.testing.assert_array_equal(got[:n], full[:n])
+    np.testing.assert_array_equal(got[n:], 0)
+    masked = np.asarray(jax.jit(cpu_matmul._masked_matmul)(x, w, jnp.full((1,), live)))
+    np.testing.assert_allclose(masked, got, rtol=1e-5, atol=1e-4)
+
+
+def test_gemm_gradient_with_live_rows():
+    """Padding rows are constants: no gradient flows through them."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((80, 24)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((24, 40)).astype(np.float32))
+
+    def loss(mm):
+        return lambda x, w: jnp.sum(jnp.sin(mm(x, w)))
+
+    ref = lambda x, w: jnp.where(jnp.arange(80)[:, None] < 50, x @ w, 0)  # noqa: E731
+    wx, ww = jax.grad(loss(ref), argnums=(0, 1))(x, w)
+    gx, gw = jax.grad(loss(lambda x, w: cpu_matmul.matmul(x, w, jnp.int32(50))),
+                      argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw, ww, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(gx[50:], 0)
 
 
 def test_gradient_is_the_matmuls():

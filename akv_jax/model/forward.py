@@ -126,12 +126,13 @@ class Adapted:
 jax.tree_util.register_dataclass(Adapted, data_fields=["base", "a", "b"], meta_fields=["scale"])
 
 
-def project(eq: str, x: jax.Array, w) -> jax.Array:
+def project(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Array:
     """``einsum(eq, x, w)`` for a projection weight ``w`` (contracting every non-token axis
     of ``x``), or its :class:`Adapted` form. Float32 rows on the CPU take the kernels of
     :mod:`akv_jax.pallas.cpu_matmul` (a decode step's few rows: XLA's small-GEMM path is
     compute-bound where they should run at the memory's speed; a prefill's many: a blocked
-    GEMM whose rows do not depend on the batch around them)."""
+    GEMM whose rows do not depend on the batch around them, which skips the rows from
+    ``live`` on, a step's padding: see :func:`live_rows`)."""
     if not isinstance(w, Adapted):
         xs, rest = eq.split(",")
         ws, out = rest.split("->")
@@ -141,7 +142,7 @@ def project(eq: str, x: jax.Array, w) -> jax.Array:
             x2 = x.reshape(x.shape[0], -1)
             w2 = w.reshape(x2.shape[1], -1)
             if cpu_matmul.applies(x2, w2):
-                y = cpu_matmul.matmul(x2, w2)
+                y = cpu_matmul.matmul(x2, w2, live)
                 return y.reshape(x.shape[0], *w.shape[n_in:])
         return jnp.einsum(eq, x, w)
     n_in = x.ndim - 1
@@ -220,13 +221,15 @@ def _bias(y: jax.Array, b: jax.Array | None) -> jax.Array:
 
 
 def attention_inputs(
-    cfg: ModelConfig, lp: LayerParams, x: jax.Array, q_positions: jax.Array, rope: RopeTable
+    cfg: ModelConfig, lp: LayerParams, x: jax.Array, q_positions: jax.Array, rope: RopeTable,
+    live: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The first half of a layer: (q rotated to ``q_positions``, k *unrotated*, v), [T, H, Dh]."""
+    """The first half of a layer: (q rotated to ``q_positions``, k *unrotated*, v), [T, H, Dh].
+    ``live``: see :func:`live_rows`."""
     h = _norm(cfg, x, lp.attn_norm)
-    q = _bias(project("td,dhk->thk", h, lp.wq), lp.bq)
-    k = _bias(project("td,dhk->thk", h, lp.wk), lp.bk)
-    v = _bias(project("td,dhk->thk", h, lp.wv), lp.bv)
+    q = _bias(project("td,dhk->thk", h, lp.wq, live), lp.bq)
+    k = _bias(project("td,dhk->thk", h, lp.wk, live), lp.bk)
+    v = _bias(project("td,dhk->thk", h, lp.wv, live), lp.bv)
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
@@ -236,16 +239,26 @@ def attention_inputs(
     return rope_scaled(q, q_positions, rope, cfg.rope.attention_scaling()), k, v
 
 
-def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
+def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array,
+                 live: jax.Array | None = None) -> jax.Array:
     """The second half of a layer: output projection, residual, MLP (or MoE), residual. The
-    layer is MoE when ``lp`` holds a router."""
-    x = x + _bias(project("thk,hkd->td", attn.astype(x.dtype), lp.wo), lp.bo)
+    layer is MoE when ``lp`` holds a router. ``live``: see :func:`live_rows`."""
+    x = x + _bias(project("thk,hkd->td", attn.astype(x.dtype), lp.wo, live), lp.bo)
     h = _norm(cfg, x, lp.mlp_norm)
     if lp.router is not None:
         return x + moe_mlp(cfg, lp, h)
-    gate = project("td,df->tf", h, lp.w_gate)
-    up = project("td,df->tf", h, lp.w_up)
-    return x + project("tf,fd->td", jax.nn.silu(gate) * up, lp.w_down)
+    gate = project("td,df->tf", h, lp.w_gate, live)
+    up = project("td,df->tf", h, lp.w_up, live)
+    return x + project("tf,fd->td", jax.nn.silu(gate) * up, lp.w_down, live)
+
+
+def live_rows(batch: SegmentBatch) -> jax.Array:
+    """The end of the last query block's rows: rows past it are a step's padding (its
+    tokens padded to the next bucket), which no block reads and whose keys and values are
+    written nowhere, so their hidden states may be anything; the projections skip them
+    (``cpu_matmul.matmul``'s ``live``). Every row a block reads lies before it."""
+    ends = jnp.where(batch.block_seg >= 0, batch.block_q_start + batch.block_q_len, 0)
+    return jnp.max(ends).astype(jnp.int32)
 
 
 def decoder_layer(
@@ -267,7 +280,8 @@ def decoder_layer(
     index: slicing one layer out and setting it back would copy the whole layer pool twice
     per layer and step, which made step time grow with the pool size.
     """
-    q, k, v = attention_inputs(cfg, lp, x, q_positions, rope)
+    live = live_rows(batch)
+    q, k, v = attention_inputs(cfg, lp, x, q_positions, rope, live)
     ps = k_all.shape[2]
     for w in range(writes.slots.shape[0]):  # W is small and static (position versions)
         kw = rope_scaled(k, writes.positions[w], rope, cfg.rope.attention_scaling())
@@ -279,7 +293,7 @@ def decoder_layer(
         attn = attention(q, k_all, v_all, batch, layer=layer)
     else:
         attn = attention(q, k_all, v_all, batch, layer=layer, sinks=lp.sinks)
-    return layer_output(cfg, lp, x, attn), k_all, v_all
+    return layer_output(cfg, lp, x, attn, live), k_all, v_all
 
 
 def split_layers(cfg: ModelConfig, layers: LayerParams) -> list[LayerParams]:

@@ -292,8 +292,15 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
       row_tile(std::integral_constant<int, RT_FEW>{}, std::true_type{}, 0);
       continue;
     }
-    for (int64_t j = 0; j < TK; ++j)
-      for (int64_t d = 0; d < Dh; ++d) kt[d * TK + j] = kp[j][d];
+    // W x W blocks transposed in registers: element by element, the 64 x 64 copy took 15%
+    // of a 2,000-token prefill's attention (a Zen 4 host: 31.1 ms a layer, 26.4 without it).
+    for (int64_t j0 = 0; j0 < TK; j0 += W)
+      for (int64_t d0 = 0; d0 < Dh; d0 += W) {
+        vf blk[W];
+        for (int i = 0; i < W; ++i) blk[i] = vload(kp[j0 + i] + d0);
+        akv::transpose(blk);
+        for (int i = 0; i < W; ++i) vstore(kt + (d0 + i) * TK + j0, blk[i]);
+      }
     for (int64_t r0 = 0; r0 < R; r0 += RT)
       row_tile(std::integral_constant<int, RT>{}, std::false_type{}, r0);
   }

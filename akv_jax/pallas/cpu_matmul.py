@@ -6,7 +6,7 @@ A decode step of 2-16 rows streams every weight once, so its projections should 
 path is compute-bound there instead (SmolLM2's MLP weights: 11.9 ms at 1 row, 22.0 ms at 8).
 The few-row kernel reads each weight once in sequential blocks of rows, for up to 8 rows of
 ``x`` in registers. A prefill's many rows take a blocked GEMM (packed panels of ``w``,
-register tiles of 14 x 32 with AVX-512, 6 x 16 with AVX2), from MIN_GEMM_ROWS up (every
+register tiles of 6 x 64 with AVX-512, 6 x 16 with AVX2), from MIN_GEMM_ROWS up (every
 prefill bucket), at XLA's speed or better. Both sum every output the same way (a chain of
 fused multiply-adds per slice of at most 256 ``k``, slices added in order: more accurate than
 one chain over all of ``k``, and than XLA's slices of 512), so a row's result is the same
@@ -77,28 +77,52 @@ def _require() -> None:
         raise RuntimeError("the CPU matmul kernels are not available (see their warning)")
 
 
-@jax.custom_vjp
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, live: jax.Array | None = None) -> jax.Array:
     """``x @ w`` for ``x [M, K]``, ``w [K, N]``: a kernel where the lowering is for the CPU,
     the matmul elsewhere. Call it only where :func:`applies`. Differentiable (the backward
-    pass is plain matmuls)."""
+    pass is plain matmuls).
+
+    ``live`` (int32 scalar): rows from ``live`` on are a step's padding, which the GEMM
+    (more than MAX_ROWS rows) neither computes nor reads: it returns zeros there, on every
+    platform. The few-row kernel computes all rows (decode buckets pad little)."""
+    rows = jnp.full((1,), x.shape[0], jnp.int32) if live is None else (
+        jnp.reshape(live, (1,)).astype(jnp.int32))
+    return _matmul(x, w, rows)
+
+
+@jax.custom_vjp
+def _matmul(x: jax.Array, w: jax.Array, live: jax.Array) -> jax.Array:
     _require()
-    target = TARGET if x.shape[0] <= MAX_ROWS else TARGET_GEMM
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype),
+    if x.shape[0] <= MAX_ROWS:
+        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype),
+                                vmap_method="sequential")
+        return jax.lax.platform_dependent(x, w, cpu=call, default=jnp.matmul)
+    call = jax.ffi.ffi_call(TARGET_GEMM,
+                            jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype),
                             vmap_method="sequential")
-    return jax.lax.platform_dependent(x, w, cpu=call, default=jnp.matmul)
+    return jax.lax.platform_dependent(x, w, live, cpu=call, default=_masked_matmul)
 
 
-def _fwd(x, w):
-    return matmul(x, w), (x, w)
+def _masked_matmul(x: jax.Array, w: jax.Array, live: jax.Array) -> jax.Array:
+    return jnp.where(_live_rows(x, live), x @ w, 0).astype(x.dtype)
+
+
+def _live_rows(x: jax.Array, live: jax.Array) -> jax.Array:
+    return (jnp.arange(x.shape[0]) < live[0])[:, None]
+
+
+def _fwd(x, w, live):
+    return _matmul(x, w, live), (x, w, live)
 
 
 def _bwd(res, g):
-    x, w = res
-    return g @ w.T, x.T @ g
+    x, w, live = res
+    if x.shape[0] > MAX_ROWS:  # padding rows are constant zeros
+        g = jnp.where(_live_rows(x, live), g, 0).astype(g.dtype)
+    return g @ w.T, x.T @ g, None
 
 
-matmul.defvjp(_fwd, _bwd)
+_matmul.defvjp(_fwd, _bwd)
 
 
 @jax.custom_vjp

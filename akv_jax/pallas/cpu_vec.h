@@ -53,6 +53,24 @@ inline float hmax(vf v) {
   else return v[0];
 }
 
+// Transposes W rows of W lanes in registers: afterwards r[i][l] is what r[l][i] was. log2(W)
+// stages; the stage of step H swaps, between rows i and i + H (bit H of i clear), the lanes
+// with bit H set in row i and those with it clear in row i + H, two two-source shuffles a
+// pair (vpermt2ps with AVX-512).
+template <int H, std::size_t... I>
+inline void swap_blocks(vf& a, vf& b, std::index_sequence<I...>) {
+  const vf lo = __builtin_shuffle(a, b, vi{static_cast<int32_t>((I & H) ? W + I - H : I)...});
+  const vf hi = __builtin_shuffle(a, b, vi{static_cast<int32_t>((I & H) ? W + I : I + H)...});
+  a = lo;
+  b = hi;
+}
+template <int H = W / 2>
+inline void transpose(vf (&r)[W]) {
+  for (int i = 0; i < W; ++i)
+    if ((i & H) == 0) swap_blocks<H>(r[i], r[i + H], std::make_index_sequence<W>{});
+  if constexpr (H > 1) transpose<H / 2>(r);
+}
+
 // k per slice for a product of depth K in cpu_matmul.cc and cpu_gemm.cc: equal slices of at
 // most 256, each summed from zero as one chain of fused multiply-adds, then added to the
 // output in order. One chain over all of K rounds like a sum of K terms (SmolLM2's
