@@ -3,9 +3,10 @@
 //
 // A decode step streams every weight once; with 1 row XLA runs a matrix-vector product at the
 // memory's speed, but from 2 to 16 rows its small-GEMM path is compute-bound (SmolLM2's MLP
-// weights: 11.9 ms at 1 row, 22.0 ms at 8). Here w is read once, in blocks of <= 256 whole rows
-// (sequential memory, which the prefetcher follows), each row's 32-column pieces multiplied
-// into register accumulators for up to 8 rows of x; partial sums live in y between blocks.
+// weights: 11.9 ms at 1 row, 22.0 ms at 8). Here w is read once, in bands of BAND whole rows
+// (a thread's column range of each: BAND sequential streams), each row's 32-column pieces
+// multiplied into register accumulators for up to 8 rows of x; partial sums live in a
+// per-thread buffer between bands and in y between slices of k.
 // Columns are split across XLA's intra-op threads. A second entry point takes w as [N, K]
 // (a tied embedding used as the output head), whose rows are contiguous already.
 
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_pool.h"
 #include "cpu_vec.h"
@@ -24,7 +26,11 @@ namespace {
 
 constexpr int PIECE = 32;  // columns per piece handed to a thread (whole pieces each)
 constexpr int MT = 8;   // rows of x per register tile (x 2 vectors of columns)
-constexpr int PD = 32;  // rows of w prefetched ahead
+// Rows of w per band. Slices of k walked piece by piece (each piece's 256 rows, 128 B a row
+// at N floats apart) read the weights from memory at 8-12 GB/s on a Zen 4 host, where a
+// band's 8 row segments, piece after piece, stream at 15-21 GB/s: 40 of SmolLM2's
+// 576 x 1,536 matrices at 8 rows, 12.1 -> 7.0 ms; 4, 6, 12 and 16 rows a band slower.
+constexpr int BAND = 8;
 
 using akv::splat;
 using akv::vf;
@@ -33,34 +39,48 @@ using akv::vstore;
 using akv::W;
 
 // Columns [c0, c1) (multiples of 32 apart from the last piece) of rows [m0, m0 + MR).
+// w is read in bands of BAND rows, each band's row segments [c0, c1) piece after piece, so
+// the memory sees BAND sequential streams; each piece's accumulators carry on their chain of
+// multiply-adds across the bands of a slice through a buffer (the same sums in the same
+// order as one pass over the slice), then add into y at the slice's end.
 template <int MR, int NC = 2>
 void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
           int64_t c0, int64_t c1) {
-  const int64_t kb = akv::k_slice(K);  // blocks of w's rows, summed as cpu_gemm.cc sums
+  const int64_t kb = akv::k_slice(K);
+  const int64_t cv = c0 + (c1 - c0) / (NC * W) * (NC * W);  // end of the whole pieces
+  thread_local std::vector<float> carry;
+  carry.resize(MR * std::max<int64_t>(cv - c0, 1));
   for (int64_t k0 = 0; k0 < K; k0 += kb) {
     const int64_t k1 = std::min<int64_t>(K, k0 + kb);
-    int64_t c = c0;
-    for (; c + NC * W <= c1; c += NC * W) {
-      vf acc[MR][NC];
-      for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NC; ++n) acc[m][n] = vf{};
-      for (int64_t k = k0; k < k1; ++k) {
-        // The rows are N floats apart, past what the hardware's stride prefetcher follows.
-        for (int n = 0; n < NC; ++n) __builtin_prefetch(w + (k + PD) * N + c + n * W);
-        vf wk[NC];
-        for (int n = 0; n < NC; ++n) wk[n] = vload(w + k * N + c + n * W);
-        for (int m = 0; m < MR; ++m) {
-          const vf xm = splat(x[(m0 + m) * K + k]);
-          for (int n = 0; n < NC; ++n) acc[m][n] += xm * wk[n];
+    for (int64_t b0 = k0; b0 < k1; b0 += BAND) {
+      const int64_t b1 = std::min<int64_t>(k1, b0 + BAND);
+      for (int64_t c = c0; c < cv; c += NC * W) {
+        float* cr = carry.data() + (c - c0) * MR;  // [MR][NC * W] for this piece
+        vf acc[MR][NC];
+        for (int m = 0; m < MR; ++m)
+          for (int n = 0; n < NC; ++n) acc[m][n] = b0 == k0 ? vf{} : vload(cr + (m * NC + n) * W);
+        for (int64_t k = b0; k < b1; ++k) {
+          for (int n = 0; n < NC; ++n) __builtin_prefetch(w + (k + BAND) * N + c + n * W);
+          vf wk[NC];
+          for (int n = 0; n < NC; ++n) wk[n] = vload(w + k * N + c + n * W);
+          for (int m = 0; m < MR; ++m) {
+            const vf xm = splat(x[(m0 + m) * K + k]);
+            for (int n = 0; n < NC; ++n) acc[m][n] += xm * wk[n];
+          }
         }
+        if (b1 < k1) {
+          for (int m = 0; m < MR; ++m)
+            for (int n = 0; n < NC; ++n) vstore(cr + (m * NC + n) * W, acc[m][n]);
+          continue;
+        }
+        for (int m = 0; m < MR; ++m)
+          for (int n = 0; n < NC; ++n) {
+            float* dst = y + (m0 + m) * N + c + n * W;
+            vstore(dst, k0 == 0 ? acc[m][n] : vload(dst) + acc[m][n]);
+          }
       }
-      for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NC; ++n) {
-          float* dst = y + (m0 + m) * N + c + n * W;
-          vstore(dst, k0 == 0 ? acc[m][n] : vload(dst) + acc[m][n]);
-        }
     }
-    for (; c < c1; ++c) {  // a last piece narrower than 32 columns
+    for (int64_t c = cv; c < c1; ++c) {  // a last piece narrower than 32 columns
       for (int m = 0; m < MR; ++m) {
         float a = 0.f;
         // std::fma: written as `a += x * w`, GCC vectorises the products and adds them in
@@ -84,6 +104,10 @@ void tile_nt(const float* x, const float* w, float* y, int64_t K, int64_t N, int
     for (int m = 0; m < MR; ++m) acc[m] = vf{};
     int64_t k = 0;
     for (; k + W <= K; k += W) {
+      // 5-8 rows: the row 8 ahead, prefetched (a SmolLM2 output head from memory at 8 rows,
+      // 9.0-9.9 -> 6.9-7.6 ms); at 4 rows the prefetches cost more than they hide (6.0 ->
+      // 7.1 ms), the hardware's own prefetch keeping up with the lighter arithmetic.
+      if constexpr (MR > 4) __builtin_prefetch(wn + 8 * K + k);
       const vf wv = vload(wn + k);
       for (int m = 0; m < MR; ++m) acc[m] += vload(x + (m0 + m) * K + k) * wv;
     }
