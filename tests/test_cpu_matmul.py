@@ -178,3 +178,27 @@ def test_output_head_takes_kernel_for_decode_rows(tied):
         # One row at a time: XLA's matrix-vector product, no kernel.
         want = jax.vmap(lambda r: lm_logits(params, cfg, r[None])[0])(x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_project_zeroes_rows_past_live_on_every_path():
+    """Padding rows past ``live`` are zero whichever path a projection takes (the GEMM, the
+    few-row kernel, a plain einsum, a LoRA-adapted weight), so that paths agree on every row
+    (a merged adapter against its unmerged form, as training compares them)."""
+    from akv_jax.model.forward import Adapted
+
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((20, 48)).astype(np.float32))
+    a = jnp.asarray(rng.standard_normal((20, 2)).astype(np.float32))
+    b = jnp.asarray(rng.standard_normal((2, 48)).astype(np.float32))
+    for rows, live in [(70, 41), (12, 5)]:  # the GEMM, the few-row kernel
+        x = jnp.asarray(rng.standard_normal((rows, 20)).astype(np.float32))
+        kern = np.asarray(project("td,df->tf", x, w, jnp.int32(live)))
+        plain = np.asarray(project("td,df->tf", x, w))
+        np.testing.assert_array_equal(kern[live:], 0)
+        np.testing.assert_array_equal(kern[:live], plain[:live])
+        ein = np.asarray(project("td,df->tf", x, w.astype(jnp.bfloat16), jnp.int32(live)))
+        np.testing.assert_array_equal(ein[live:], 0)
+        ad = np.asarray(project("td,df->tf", x, Adapted(w, a, b, 0.5), jnp.int32(live)))
+        np.testing.assert_array_equal(ad[live:], 0)
+        np.testing.assert_allclose(ad[:live], (x @ w + 0.5 * (x @ a) @ b)[:live],
+                                   rtol=1e-4, atol=1e-4)

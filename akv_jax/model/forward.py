@@ -132,7 +132,8 @@ def project(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Arra
     :mod:`akv_jax.pallas.cpu_matmul` (a decode step's few rows: XLA's small-GEMM path is
     compute-bound where they should run at the memory's speed; a prefill's many: a blocked
     GEMM whose rows do not depend on the batch around them, which skips the rows from
-    ``live`` on, a step's padding: see :func:`live_rows`)."""
+    ``live`` on, a step's padding: see :func:`live_rows`). Rows from ``live`` on are zero
+    on every path."""
     if not isinstance(w, Adapted):
         xs, rest = eq.split(",")
         ws, out = rest.split("->")
@@ -142,12 +143,23 @@ def project(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Arra
             x2 = x.reshape(x.shape[0], -1)
             w2 = w.reshape(x2.shape[1], -1)
             if cpu_matmul.applies(x2, w2):
-                y = cpu_matmul.matmul(x2, w2, live)
+                y = cpu_matmul.matmul(x2, w2, live)  # zeros past ``live`` already
                 return y.reshape(x.shape[0], *w.shape[n_in:])
-        return jnp.einsum(eq, x, w)
+        return _live_only(jnp.einsum(eq, x, w), live)
     n_in = x.ndim - 1
     low = jnp.tensordot(x, w.a, axes=n_in)  # [T, r]
-    return jnp.einsum(eq, x, w.base) + w.scale * jnp.tensordot(low, w.b, axes=1)
+    y = jnp.einsum(eq, x, w.base) + w.scale * jnp.tensordot(low, w.b, axes=1)
+    return _live_only(y, live)
+
+
+def _live_only(y: jax.Array, live: jax.Array | None) -> jax.Array:
+    """``y`` with its rows from ``live`` on zeroed, as the CPU GEMM returns them: every path
+    of :func:`project` gives the padding rows the same values (a LoRA adapter's unmerged
+    projection, an einsum, and the merged kernel agree on every row)."""
+    if live is None:
+        return y
+    rows = jnp.arange(y.shape[0]).reshape(-1, *([1] * (y.ndim - 1)))
+    return jnp.where(rows < live, y, 0).astype(y.dtype)
 
 
 @jax.tree_util.register_dataclass

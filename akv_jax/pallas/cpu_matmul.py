@@ -82,12 +82,15 @@ def matmul(x: jax.Array, w: jax.Array, live: jax.Array | None = None) -> jax.Arr
     the matmul elsewhere. Call it only where :func:`applies`. Differentiable (the backward
     pass is plain matmuls).
 
-    ``live`` (int32 scalar): rows from ``live`` on are a step's padding, which the GEMM
-    (more than MAX_ROWS rows) neither computes nor reads: it returns zeros there, on every
-    platform. The few-row kernel computes all rows (decode buckets pad little)."""
+    ``live`` (int32 scalar): rows from ``live`` on are a step's padding and come back zero,
+    on every platform. The GEMM (more than MAX_ROWS rows) neither computes nor reads them;
+    the few-row kernel computes all rows (decode buckets pad little) and they are masked."""
     rows = jnp.full((1,), x.shape[0], jnp.int32) if live is None else (
         jnp.reshape(live, (1,)).astype(jnp.int32))
-    return _matmul(x, w, rows)
+    y = _matmul(x, w, rows)
+    if live is not None and x.shape[0] <= MAX_ROWS:
+        y = jnp.where(_live_rows(x, rows), y, 0).astype(y.dtype)
+    return y
 
 
 @jax.custom_vjp
