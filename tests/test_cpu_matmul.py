@@ -87,19 +87,19 @@ def test_gemm_skips_rows_past_live(live):
     np.testing.assert_allclose(masked, got, rtol=1e-5, atol=1e-4)
 
 
+def sin_loss_grads(mm, x, w):
+    """Gradients of sum(sin(mm(x, w))) with respect to x and w."""
+    return jax.grad(lambda x, w: jnp.sum(jnp.sin(mm(x, w))), argnums=(0, 1))(x, w)
+
+
 def test_gemm_gradient_with_live_rows():
     """Padding rows are constants: no gradient flows through them."""
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((80, 24)).astype(np.float32))
     w = jnp.asarray(rng.standard_normal((24, 40)).astype(np.float32))
-
-    def loss(mm):
-        return lambda x, w: jnp.sum(jnp.sin(mm(x, w)))
-
     ref = lambda x, w: jnp.where(jnp.arange(80)[:, None] < 50, x @ w, 0)  # noqa: E731
-    wx, ww = jax.grad(loss(ref), argnums=(0, 1))(x, w)
-    gx, gw = jax.grad(loss(lambda x, w: cpu_matmul.matmul(x, w, jnp.int32(50))),
-                      argnums=(0, 1))(x, w)
+    wx, ww = sin_loss_grads(ref, x, w)
+    gx, gw = sin_loss_grads(lambda x, w: cpu_matmul.matmul(x, w, jnp.int32(50)), x, w)
     np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gw, ww, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(gx[50:], 0)
@@ -109,16 +109,11 @@ def test_gradient_is_the_matmuls():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((4, 24)).astype(np.float32))
     w = jnp.asarray(rng.standard_normal((24, 40)).astype(np.float32))
-
-    def loss(mm):
-        return lambda x, w: jnp.sum(jnp.sin(mm(x, w)))
-
-    wx, ww = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
-    gx, gw = jax.grad(loss(cpu_matmul.matmul), argnums=(0, 1))(x, w)
+    wx, ww = sin_loss_grads(jnp.matmul, x, w)
+    gx, gw = sin_loss_grads(cpu_matmul.matmul, x, w)
     np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gw, ww, rtol=1e-5, atol=1e-5)
-    nt = lambda x, wt: cpu_matmul.matmul_nt(x, wt)  # noqa: E731
-    gx, gwt = jax.grad(loss(nt), argnums=(0, 1))(x, w.T)
+    gx, gwt = sin_loss_grads(cpu_matmul.matmul_nt, x, w.T)
     np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gwt, ww.T, rtol=1e-5, atol=1e-5)
 

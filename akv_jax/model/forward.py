@@ -145,21 +145,11 @@ def project(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Arra
             if cpu_matmul.applies(x2, w2):
                 y = cpu_matmul.matmul(x2, w2, live)  # zeros past ``live`` already
                 return y.reshape(x.shape[0], *w.shape[n_in:])
-        return _live_only(jnp.einsum(eq, x, w), live)
+        return cpu_matmul.zero_past(jnp.einsum(eq, x, w), live)
     n_in = x.ndim - 1
     low = jnp.tensordot(x, w.a, axes=n_in)  # [T, r]
     y = jnp.einsum(eq, x, w.base) + w.scale * jnp.tensordot(low, w.b, axes=1)
-    return _live_only(y, live)
-
-
-def _live_only(y: jax.Array, live: jax.Array | None) -> jax.Array:
-    """``y`` with its rows from ``live`` on zeroed, as the CPU GEMM returns them: every path
-    of :func:`project` gives the padding rows the same values (a LoRA adapter's unmerged
-    projection, an einsum, and the merged kernel agree on every row)."""
-    if live is None:
-        return y
-    rows = jnp.arange(y.shape[0]).reshape(-1, *([1] * (y.ndim - 1)))
-    return jnp.where(rows < live, y, 0).astype(y.dtype)
+    return cpu_matmul.zero_past(y, live)  # every path agrees on the padding rows
 
 
 @jax.tree_util.register_dataclass

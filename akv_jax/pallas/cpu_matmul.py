@@ -88,9 +88,16 @@ def matmul(x: jax.Array, w: jax.Array, live: jax.Array | None = None) -> jax.Arr
     rows = jnp.full((1,), x.shape[0], jnp.int32) if live is None else (
         jnp.reshape(live, (1,)).astype(jnp.int32))
     y = _matmul(x, w, rows)
-    if live is not None and x.shape[0] <= MAX_ROWS:
-        y = jnp.where(_live_rows(x, rows), y, 0).astype(y.dtype)
-    return y
+    return zero_past(y, live) if x.shape[0] <= MAX_ROWS else y
+
+
+def zero_past(y: jax.Array, live: jax.Array | None) -> jax.Array:
+    """``y`` [T, ...] with its rows from ``live`` on zeroed (``live`` None: ``y``), as the
+    GEMM returns them."""
+    if live is None:
+        return y
+    rows = jnp.arange(y.shape[0]).reshape(-1, *([1] * (y.ndim - 1)))
+    return jnp.where(rows < jnp.reshape(live, (-1,))[0], y, 0).astype(y.dtype)
 
 
 @jax.custom_vjp
@@ -107,11 +114,7 @@ def _matmul(x: jax.Array, w: jax.Array, live: jax.Array) -> jax.Array:
 
 
 def _masked_matmul(x: jax.Array, w: jax.Array, live: jax.Array) -> jax.Array:
-    return jnp.where(_live_rows(x, live), x @ w, 0).astype(x.dtype)
-
-
-def _live_rows(x: jax.Array, live: jax.Array) -> jax.Array:
-    return (jnp.arange(x.shape[0]) < live[0])[:, None]
+    return zero_past(x @ w, live)
 
 
 def _fwd(x, w, live):
@@ -121,7 +124,7 @@ def _fwd(x, w, live):
 def _bwd(res, g):
     x, w, live = res
     if x.shape[0] > MAX_ROWS:  # padding rows are constant zeros
-        g = jnp.where(_live_rows(x, live), g, 0).astype(g.dtype)
+        g = zero_past(g, live)
     return g @ w.T, x.T @ g, None
 
 
