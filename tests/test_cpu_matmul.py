@@ -10,7 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from akv_jax.model.forward import project
+from akv_jax.model import config as cfgs
+from akv_jax.model.causal import BLOCK_Q, PAGE_SIZE, _one_segment
+from akv_jax.model.forward import (
+    KVPool,
+    KVWrites,
+    forward,
+    make_model_attention,
+    pack_layers,
+    project,
+)
+from akv_jax.model.params import init_params
+from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas import cpu_matmul
 
 
@@ -197,3 +208,65 @@ def test_project_zeroes_rows_past_live_on_every_path():
         np.testing.assert_array_equal(ad[live:], 0)
         np.testing.assert_allclose(ad[:live], (x @ w + 0.5 * (x @ a) @ b)[:live],
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,k,n,live", [(64, 48, 80, 64), (100, 576, 200, 77),
+                                           (128, 32, 16, 0), (70, 300, 64, 70)])
+def test_packed_gemm_is_the_gemm(rows, k, n, live):
+    """The GEMM from panels packed ahead (any layer of the stack, N not a multiple of the
+    panel width, padding rows) returns the bits the GEMM of the plain weight does; the
+    packing unpacks to the weight; off the CPU kernel (``default``) the same values."""
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((3, k, n)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+    panels = cpu_matmul.pack_panels(w)
+    assert panels.shape[1:] == (-(-n // cpu_matmul.panel_width()), k, cpu_matmul.panel_width())
+    live_ = jnp.int32(live)
+    packed = jax.jit(lambda x, p, layer: cpu_matmul.matmul_packed(x, p, layer, n, live_))
+    assert ffi_targets(str(jax.make_jaxpr(packed)(x, panels, jnp.int32(0)))) == {
+        cpu_matmul.TARGET_GEMM_PACKED}
+    for layer in range(3):
+        np.testing.assert_array_equal(
+            np.asarray(cpu_matmul.unpack_panels(panels, jnp.int32(layer), n)), w[layer])
+        got = np.asarray(packed(x, panels, jnp.int32(layer)))
+        np.testing.assert_array_equal(got, cpu_matmul.matmul(x, w[layer], live_))
+        want = np.asarray(x, np.float64) @ np.asarray(w[layer], np.float64)
+        np.testing.assert_allclose(got[:live], want[:live], rtol=1e-5, atol=1e-5 * np.sqrt(k))
+        np.testing.assert_array_equal(got[live:], 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen3_moe", "minimax_m2"])
+def test_forward_from_packed_layers_is_the_forward(arch):
+    """A prefill forward whose layer scan reads the projections from :func:`pack_layers`'
+    panels (the serving DeviceGroup's on the CPU) gives the bits of the plain forward, for
+    models whose layer kinds alternate (GPT-OSS's windows; Qwen3-MoE's dense and MoE layers,
+    where a dense layer's row in its stack is not its index)."""
+    cfg = {"llama": lambda: cfgs.tiny_config("llama"), "gpt_oss": cfgs.tiny_gpt_oss_config,
+           "qwen3_moe": cfgs.tiny_qwen3_moe_config,
+           "minimax_m2": cfgs.tiny_minimax_m2_config}[arch]()
+    params = init_params(cfg, jax.random.key(3))
+    packed = pack_layers(cfg, params.layers)
+    assert set(packed) == ({"wq", "wk", "wv", "wo"} if arch in ("gpt_oss", "minimax_m2")
+                           else {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+    n, t, pages = 90, 128, 8  # 90 tokens in a 128-row step: rows 90.. are padding
+    tokens = np.zeros(t, np.int32)
+    tokens[:n] = np.random.default_rng(0).integers(1, cfg.vocab_size - 1, n)
+    pos = np.arange(t, dtype=np.int32)
+    slots = np.where(pos < n, pos, pages * PAGE_SIZE).astype(np.int32)
+    writes = KVWrites(slots=jnp.asarray(slots[None]), positions=jnp.asarray(pos[None]))
+    batch = _one_segment(0, n, BLOCK_Q, pages)
+    attention = make_model_attention(cfg, "auto", BLOCK_Q)
+
+    @jax.jit
+    def run(params, packed):
+        kv = KVPool.zeros(cfg, pages, PAGE_SIZE)
+        return forward(params, cfg, jnp.asarray(tokens), jnp.asarray(pos), kv, writes, batch,
+                       rope_table_for(cfg), attention, logits_rows=jnp.arange(0, n, 3),
+                       packed=packed)  # 30 rows of logits: the head is not a GEMM
+
+    targets = ffi_targets(str(jax.make_jaxpr(run)(params, packed)))
+    assert cpu_matmul.TARGET_GEMM_PACKED in targets and cpu_matmul.TARGET_GEMM not in targets
+    (logits_p, kv_p), (logits, kv) = run(params, packed), run(params, {})
+    np.testing.assert_array_equal(np.asarray(logits_p), np.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(kv_p.k), np.asarray(kv.k))
+    np.testing.assert_array_equal(np.asarray(kv_p.v), np.asarray(kv.v))

@@ -33,6 +33,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.moe import moe_mlp
@@ -126,6 +127,59 @@ class Adapted:
 jax.tree_util.register_dataclass(Adapted, data_fields=["base", "a", "b"], meta_fields=["scale"])
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedRef:
+    """A projection weight as one layer of a stack packed for the CPU GEMM
+    (:func:`pack_layers`): ``panels`` [L, P, K, NR], its row ``layer`` (int32 scalar) and the
+    layer's weight shape [in..., out...]. A prefill's layer scan takes these in place of the
+    weights it would slice out of the stacks."""
+
+    panels: jax.Array
+    layer: jax.Array
+    shape: tuple[int, ...]
+
+
+jax.tree_util.register_dataclass(PackedRef, data_fields=["panels", "layer"],
+                                 meta_fields=["shape"])
+
+# The projection weights :func:`project` takes, with how many leading axes of each it
+# contracts (wo [Hq, Dh, D] contracts its heads and head dim).
+PROJECTION_IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+
+
+def pack_layers(cfg: ModelConfig, layers: LayerParams) -> dict[str, jax.Array]:
+    """The float32 projection stacks of ``layers`` packed for the CPU GEMM
+    (``cpu_matmul.pack_panels``), for :func:`forward`'s ``packed``: empty where that kernel
+    is not built. A copy of the weights, made once (by the serving DeviceGroup on the CPU):
+    each prefill layer then neither slices its weights out of the stacks (XLA:CPU copies a
+    dynamic slice that feeds a custom call) nor has the GEMM pack them."""
+    if not cpu_matmul.packs():
+        return {}
+    out = {}
+    for name, n_in in PROJECTION_IN_AXES.items():
+        w = getattr(layers, name)
+        if isinstance(w, jax.Array) and w.dtype == jnp.float32:
+            k = int(np.prod(w.shape[1 : 1 + n_in]))
+            out[name] = cpu_matmul.pack_panels(w.reshape(w.shape[0], k, -1))
+    return out
+
+
+def _packed_refs(cfg: ModelConfig, lp: LayerParams, packed: dict[str, jax.Array],
+                 layer: jax.Array) -> LayerParams:
+    """``lp`` (layer ``layer``) with each weight it has that ``packed`` holds as a
+    :class:`PackedRef` to its row in its stack (the layer's own slice is then unused and
+    XLA drops it). A dense-MLP field's row is not the layer's index in a model that mixes
+    MoE and dense layers."""
+    refs = {}
+    for name, panels in packed.items():
+        w = getattr(lp, name)
+        if w is not None:
+            rows = np.zeros(cfg.num_layers, np.int32)
+            rows[list(stack_layers(cfg, name))] = np.arange(len(stack_layers(cfg, name)))
+            refs[name] = PackedRef(panels, jnp.asarray(rows)[layer], w.shape)
+    return dataclasses.replace(lp, **refs)
+
+
 def project(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Array:
     """``einsum(eq, x, w)`` for a projection weight ``w`` (contracting every non-token axis
     of ``x``), or its :class:`Adapted` form. Float32 rows on the CPU take the kernels of
@@ -133,7 +187,15 @@ def project(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Arra
     compute-bound where they should run at the memory's speed; a prefill's many: a blocked
     GEMM whose rows do not depend on the batch around them, which skips the rows from
     ``live`` on, a step's padding: see :func:`live_rows`). Rows from ``live`` on are zero
-    on every path."""
+    on every path. ``w`` may be a :class:`PackedRef` (the GEMM reads its panels where its
+    rows take the GEMM; else it is unpacked: the same bits either way)."""
+    if isinstance(w, PackedRef):
+        x2 = x.reshape(x.shape[0], -1)
+        n = int(np.prod(w.shape)) // x2.shape[1]
+        if cpu_matmul.applies_packed(x2, w.panels):
+            y = cpu_matmul.matmul_packed(x2, w.panels, w.layer, n, live)
+            return y.reshape(x.shape[0], *w.shape[x.ndim - 1 :])
+        w = cpu_matmul.unpack_panels(w.panels, w.layer, n).reshape(w.shape)
     if not isinstance(w, Adapted):
         xs, rest = eq.split(",")
         ws, out = rest.split("->")
@@ -322,6 +384,7 @@ def forward(
     attention: Attention,
     logits_rows: jax.Array | None = None,
     layer_list: list[LayerParams] | None = None,
+    packed: dict[str, jax.Array] | None = None,
 ) -> tuple[jax.Array, KVPool]:
     """Run the decoder on ``tokens`` [T] and return (float32 logits, updated pool).
 
@@ -335,10 +398,16 @@ def forward(
     its layer's weights out of the stacks with a copy (XLA:CPU does not fuse a
     dynamic-slice into a dot), so a small-batch decode, which only streams the weights,
     reads them three times over; unrolled over arrays of their own it reads them once.
+
+    ``packed`` (:func:`pack_layers` of ``params.layers``): the scan's projections read
+    these packed stacks at their layer's row instead (a prefill's GEMM then copies no
+    weights: the slices and the GEMM's own packing were 2-3% of a 2,000-token prefill).
     """
     x = params.embed[tokens]
 
     def run(lp, idx, fn: AttentionFn, carry):
+        if packed and layer_list is None:
+            lp = _packed_refs(cfg, lp, packed, idx)
         return decoder_layer(cfg, lp, *carry, idx, q_positions, writes, batch, rope, fn)
 
     if layer_list is not None:

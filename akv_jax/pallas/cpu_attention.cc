@@ -235,7 +235,8 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
         sum += e;
         vstore(p + t * TK + c * W, e);
       }
-      const float corr = std::exp(m[r] - m_new);  // 0 when m was -inf
+      // 0 when m was -inf; 1 when the maximum stands (exp(0) is 1 exactly: no call)
+      const float corr = m_new == m[r] ? 1.f : std::exp(m[r] - m_new);
       l[r] = l[r] * corr + hsum(sum);
       m[r] = m_new;
       if (corr != 1.f) {

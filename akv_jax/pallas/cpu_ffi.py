@@ -100,6 +100,13 @@ def register(source: str, target: str, symbol: str) -> bool:
     return True
 
 
+def int_constant(source: str, symbol: str) -> int | None:
+    """``int symbol(void)`` of ``source``'s library (a layout constant its kernels fix, e.g.
+    the GEMM's panel width); None where the library is off."""
+    lib = _library(source)
+    return None if lib is None else int(getattr(lib, symbol)())
+
+
 def reset() -> None:
     """Decide again whether the kernels are on (tests switch ``AKV_JAX_CPU_KERNEL``)."""
     _library.cache_clear()

@@ -119,11 +119,12 @@ struct Gemm {
   float* y;
   int64_t M, K, N;
   int64_t panels, kc;
-  int64_t pack0;    // first panel in packed_w
-  float* packed_w;  // [panels packed][K][NR]
+  int64_t pack0;             // first panel in packed_w
+  const float* packed_w;     // [panels packed][K][NR]
+  float* pack_buf = nullptr;  // where pack_w writes them (packed_w), when it does
 
   void pack_w(int64_t p) const {
-    float* dst = packed_w + (p - pack0) * K * NR;
+    float* dst = pack_buf + (p - pack0) * K * NR;
     const int64_t c0 = p * NR, cols = std::min<int64_t>(NR, N - c0);
     for (int64_t k = 0; k < K; ++k) {
       std::memcpy(dst + k * NR, w + k * N + c0, sizeof(float) * cols);
@@ -180,6 +181,44 @@ struct Gemm {
   }
 };
 
+// Runs g over its rows 0..g.M (g.M > 0, g.K > 0, g.N > 0). `pack`: pack w into
+// g.packed_w, PACK_BYTES at a time; else g.packed_w holds every panel already.
+void run(ffi::ThreadPool& pool, Gemm& g, bool pack) {
+  const int64_t per_pack =
+      pack ? std::max<int64_t>(1, PACK_BYTES / (g.K * NR * sizeof(float))) : g.panels;
+  const int64_t chunks = (g.M + MC - 1) / MC;
+  for (int64_t b0 = 0; b0 < g.panels; b0 += per_pack) {
+    const int64_t b1 = std::min(g.panels, b0 + per_pack), nb = b1 - b0;
+    if (pack) {
+      g.pack0 = b0;
+      akv::parallel_for(pool, nb, [&g, b0](int64_t p) { g.pack_w(b0 + p); });
+    }
+    // Items: chunks of MC rows, and each chunk's panels split so that there are at least
+    // three items a thread where the rows alone do not give that many.
+    const int64_t want = 3 * (pool.num_threads() + 1);
+    const int64_t splits = std::min(nb, std::max<int64_t>(1, (want + chunks - 1) / chunks));
+    akv::parallel_for(pool, chunks * splits, [&g, splits, b0, nb](int64_t it) {
+      const int64_t chunk = it / splits, s = it % splits;
+      const int64_t m0 = chunk * MC;
+      g.item(m0, std::min(MC, g.M - m0), b0 + nb * s / splits, b0 + nb * (s + 1) / splits);
+    });
+  }
+}
+
+// Rows from `live` on are zero in y; g.M is the rows before it. False: nothing left to do.
+bool start(Gemm& g, int64_t rows, int32_t live) {
+  g.M = std::clamp<int64_t>(live, 0, rows);
+  if (g.M < rows) std::memset(g.y + g.M * g.N, 0, sizeof(float) * (rows - g.M) * g.N);
+  if (g.M == 0 || g.N == 0) return false;
+  if (g.K == 0) {
+    std::memset(g.y, 0, sizeof(float) * g.M * g.N);
+    return false;
+  }
+  g.panels = (g.N + NR - 1) / NR;
+  g.kc = akv::k_slice(g.K);  // the summation order both matmul kernels share
+  return true;
+}
+
 // `live` [1]: rows of x past it are a step's padding (no query block reads them; the engine
 // pads a prefill to its next bucket): y is zero there and they cost nothing. A 2,000-token
 // prompt runs 2,048 rows, an agent turn's ~330 new tokens 384.
@@ -195,36 +234,46 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   g.y = y->typed_data();
   g.K = xd[1];
   g.N = wd[1];
-  g.M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
-  if (g.M < xd[0]) std::memset(g.y + g.M * g.N, 0, sizeof(float) * (xd[0] - g.M) * g.N);
-  if (g.M == 0 || g.N == 0) return ffi::Error::Success();
-  if (g.K == 0) {
-    std::memset(g.y, 0, sizeof(float) * g.M * g.N);
-    return ffi::Error::Success();
-  }
-  g.panels = (g.N + NR - 1) / NR;
-  g.kc = akv::k_slice(g.K);  // the summation order both matmul kernels share
-  const int64_t per_pack = std::max<int64_t>(1, PACK_BYTES / (g.K * NR * sizeof(float)));
+  if (!start(g, xd[0], live.typed_data()[0])) return ffi::Error::Success();
   // The calling thread's buffer: XLA runs a computation's thunks on the same few threads,
   // so this is allocated once and reused.
   thread_local std::vector<float> wbuf;
+  const int64_t per_pack = std::max<int64_t>(1, PACK_BYTES / (g.K * NR * sizeof(float)));
   wbuf.resize(std::min(per_pack, g.panels) * g.K * NR);
-  g.packed_w = wbuf.data();
-  const int64_t chunks = (g.M + MC - 1) / MC;
-  for (int64_t b0 = 0; b0 < g.panels; b0 += per_pack) {
-    const int64_t b1 = std::min(g.panels, b0 + per_pack), nb = b1 - b0;
-    g.pack0 = b0;
-    akv::parallel_for(pool, nb, [&g, b0](int64_t p) { g.pack_w(b0 + p); });
-    // Items: chunks of MC rows, and each chunk's panels split so that there are at least
-    // three items a thread where the rows alone do not give that many.
-    const int64_t want = 3 * (pool.num_threads() + 1);
-    const int64_t splits = std::min(nb, std::max<int64_t>(1, (want + chunks - 1) / chunks));
-    akv::parallel_for(pool, chunks * splits, [&g, splits, b0, nb](int64_t it) {
-      const int64_t chunk = it / splits, s = it % splits;
-      const int64_t m0 = chunk * MC;
-      g.item(m0, std::min(MC, g.M - m0), b0 + nb * s / splits, b0 + nb * (s + 1) / splits);
-    });
-  }
+  g.packed_w = g.pack_buf = wbuf.data();
+  run(pool, g, true);
+  return ffi::Error::Success();
+}
+
+// The same product from w packed ahead of time (cpu_matmul.pack_panels: w [L, K, N] as
+// [L, panels, K, NR], zero past N), layer `layer` of the stack: a prefill's layer scan
+// hands the kernel the whole stack and the layer's index, so neither XLA (slicing the
+// layer's weights out of the stack) nor the kernel (packing them) copies them per call.
+ffi::Error ImplPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto pd = wp.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 4 || yd.size() != 2 || yd[0] != xd[0] ||
+      pd[2] != xd[1] || pd[3] != NR || pd[1] != (yd[1] + NR - 1) / NR ||
+      layer.element_count() != 1 || live.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "akv_cpu_gemm_packed: x [M, K] @ panels [L, ceil(N / NR), K, NR] -> y [M, N], "
+        "layer [1], live rows [1]");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= pd[0])
+    return ffi::Error::InvalidArgument("akv_cpu_gemm_packed: layer outside the stack");
+  Gemm g;
+  g.x = x.typed_data();
+  g.w = nullptr;
+  g.y = y->typed_data();
+  g.K = xd[1];
+  g.N = yd[1];
+  if (!start(g, xd[0], live.typed_data()[0])) return ffi::Error::Success();
+  g.pack0 = 0;
+  g.packed_w = wp.typed_data() + l * pd[1] * g.K * NR;
+  run(pool, g, false);
   return ffi::Error::Success();
 }
 
@@ -237,3 +286,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuGemm, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuGemmPacked, ImplPacked,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels [L, P, K, NR]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live rows [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+// The panel width NR the packed layout must have (cpu_matmul.panel_width).
+extern "C" int AkvCpuGemmPanelWidth() { return NR; }

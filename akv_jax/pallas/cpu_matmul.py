@@ -27,6 +27,7 @@ from akv_jax.pallas import cpu_ffi
 TARGET = "akv_cpu_matmul"  # x [M, K] @ w [K, N], 2..MAX_ROWS rows
 TARGET_NT = "akv_cpu_matmul_nt"  # x [M, K] @ w [N, K]^T, 2..MAX_ROWS rows
 TARGET_GEMM = "akv_cpu_gemm"  # x [M, K] @ w [K, N], more rows
+TARGET_GEMM_PACKED = "akv_cpu_gemm_packed"  # the same from w packed ahead (pack_panels)
 MAX_ROWS = 16  # the few-row kernel's: decode buckets 8 and 16; prefill rows start at 64
 # Fewest rows for which a model's projections take the GEMM: every prefill bucket (64 rows
 # and up), so a prefill row's bits depend neither on the rows around it nor on the host. XLA's
@@ -47,14 +48,83 @@ def available() -> bool:
             and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM, "AkvCpuGemm"))
 
 
-def _takes_kernel(x: jax.Array, w: jax.Array, gemm: bool) -> bool:
+def packs() -> bool:
+    """Whether the GEMM of weights packed ahead of time (:func:`pack_panels`) is built and
+    registered."""
+    return available() and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_PACKED,
+                                            "AkvCpuGemmPacked")
+
+
+def panel_width() -> int:
+    """The GEMM's panel width NR (64 with AVX-512, 16 with AVX2): :func:`pack_panels`'s
+    layout. Call it only where :func:`packs`."""
+    nr = cpu_ffi.int_constant("cpu_gemm.cc", "AkvCpuGemmPanelWidth")
+    if nr is None:
+        raise RuntimeError("the CPU GEMM is not available (see its warning)")
+    return nr
+
+
+def pack_panels(w: jax.Array) -> jax.Array:
+    """A stack of weights ``w`` [L, K, N] in the GEMM's packed layout [L, ceil(N / NR), K,
+    NR] (panels of NR columns, each all of k, zero past N): what the GEMM copies every weight
+    into on every call, done once (:func:`matmul_packed`). Exact (a copy)."""
+    nr = panel_width()
+    layers, k, n = w.shape
+    p = -(-n // nr)
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, p * nr - n)))
+    return w.reshape(layers, k, p, nr).transpose(0, 2, 1, 3)
+
+
+def unpack_panels(panels: jax.Array, layer: jax.Array, n: int) -> jax.Array:
+    """Layer ``layer`` of :func:`pack_panels`'s stack as the weight [K, N] it was."""
+    _, p, k, nr = panels.shape
+    w = jax.lax.dynamic_index_in_dim(panels, layer, keepdims=False)  # [P, K, NR]
+    return w.transpose(1, 0, 2).reshape(k, p * nr)[:, :n]
+
+
+def applies_packed(x: jax.Array, panels: jax.Array) -> bool:
+    """Whether ``x [M, K]`` times a packed layer takes :func:`matmul_packed`: as
+    :func:`applies` with the GEMM's rows (MIN_GEMM_ROWS and more) and the packed kernel
+    built."""
+    return (x.ndim == 2 and x.shape[0] >= MIN_GEMM_ROWS and panels.ndim == 4
+            and x.dtype == panels.dtype == jnp.float32 and x.shape[1] == panels.shape[2]
+            and _unsharded() and packs())
+
+
+def matmul_packed(x: jax.Array, panels: jax.Array, layer: jax.Array, n: int,
+                  live: jax.Array | None = None) -> jax.Array:
+    """``x @ w`` [M, n] for ``w`` layer ``layer`` (int32 scalar) of a :func:`pack_panels`
+    stack, the same bits as :func:`matmul` of ``w``: on the CPU the GEMM reads the layer's
+    panels in the stack (a layer scan slices nothing), elsewhere the matmul of the unpacked
+    layer. Rows from ``live`` on are zero. Call it only where :func:`applies_packed`;
+    inference only (no VJP: training takes :func:`matmul`)."""
+    if not packs():
+        raise RuntimeError("the CPU GEMM is not available (see its warning)")
+    layer1 = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    rows = jnp.full((1,), x.shape[0], jnp.int32) if live is None else (
+        jnp.reshape(live, (1,)).astype(jnp.int32))
+    call = jax.ffi.ffi_call(TARGET_GEMM_PACKED, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype),
+                            vmap_method="sequential")
+
+    def unpacked(x, panels, layer1, rows):
+        return _masked_matmul(x, unpack_panels(panels, layer1[0], n), rows)
+
+    return jax.lax.platform_dependent(x, panels, layer1, rows, cpu=call, default=unpacked)
+
+
+def _unsharded() -> bool:
+    """No tensor-parallel mesh: an FFI call GSPMD cannot partition."""
     mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or all(n == 1 for n in mesh.shape.values())
+
+
+def _takes_kernel(x: jax.Array, w: jax.Array, gemm: bool) -> bool:
     rows = x.shape[0] if x.ndim == 2 else 0
     return (
         x.ndim == 2 and w.ndim == 2
         and (2 <= rows <= MAX_ROWS or (gemm and rows >= MIN_GEMM_ROWS))
         and x.dtype == w.dtype == jnp.float32
-        and (mesh.empty or all(n == 1 for n in mesh.shape.values()))
+        and _unsharded()
         and available()
     )
 

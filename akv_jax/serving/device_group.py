@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.forward import KVPool, KVWrites, forward, split_layers
+from akv_jax.model.forward import KVPool, KVWrites, forward, pack_layers, split_layers
 from akv_jax.model.params import Params, logical_to_spec, make_mesh, shard_params
 from akv_jax.pallas.dispatch import make_repos_fn
 from akv_jax.pallas.metadata import SegmentBatch, bucket
@@ -70,8 +70,12 @@ class DeviceGroup:
         # price of holding the layer weights twice; prefill keeps the scan (compute-bound,
         # and one compiled layer body keeps its many shapes quick to compile).
         self.layer_list = None
+        self.packed = None
         if self.mesh is None and jax.default_backend() == "cpu":
             self.layer_list = split_layers(cfg, params.layers)
+            # ... and prefill (the layer scan) reads its projections from a copy packed for
+            # the GEMM (forward's ``packed``).
+            self.packed = pack_layers(cfg, params.layers)
 
     def forward(
         self,
@@ -100,6 +104,7 @@ class DeviceGroup:
             jnp.asarray(rows),
             mesh=self.mesh,
             layer_list=self.layer_list if unrolled else None,
+            packed=None if unrolled else self.packed,
         )
         self.kv = kv
         if not out.logits.is_fully_addressable:  # a mesh over several processes (multi-host)
@@ -161,13 +166,14 @@ def greedy_rows(logits: jax.Array) -> StepLogits:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh"), donate_argnums=(4,))
 def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows,
-                  mesh=None, layer_list=None):
+                  mesh=None, layer_list=None, packed=None):
     """One serving step. ``mesh``: the group's tensor-parallel mesh, made the context mesh
     so that the Pallas kernels run per head shard (see ``dispatch._per_head_shard``).
-    ``layer_list``: per-layer weights to run the layers unrolled (``forward``)."""
+    ``layer_list``: per-layer weights to run the layers unrolled; ``packed``: projection
+    stacks packed for the CPU GEMM (both: ``forward``)."""
     if mesh is None:
         logits, kv = forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention,
-                             rows, layer_list)
+                             rows, layer_list, packed)
     else:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             logits, kv = forward(params, cfg, tokens, q_pos, kv, writes, batch, rope,

@@ -190,7 +190,12 @@ class Executor:
         # Padded to few shapes (see token_bucket); the block count follows from the token
         # count (each segment adds at most one partial block).
         T = token_bucket(len(tokens), block_q)
-        W = bucket(max(len(w) for w in writes), 1 if block_q == 1 else 4)
+        # Key versions per token: one for a prompt's tokens (each written once); a restore
+        # that writes a token at several positions pads to 4, 8, ... Every version rotates
+        # and scatters every layer's keys and values for all T rows: a cold 2,000-token
+        # prefill padded to 4 did that 4 times over (~1% of its forward).
+        versions = max(len(w) for w in writes)
+        W = bucket(versions, 1 if block_q == 1 or versions == 1 else 4)
         sentinel = self.num_pages * ps
         slot_arr = np.full((W, T), sentinel, np.int32)
         pos_arr = np.zeros((W, T), np.int32)
