@@ -245,7 +245,7 @@ def test_forward_from_packed_layers_is_the_forward(arch):
            "qwen3_moe": cfgs.tiny_qwen3_moe_config,
            "minimax_m2": cfgs.tiny_minimax_m2_config}[arch]()
     params = init_params(cfg, jax.random.key(3))
-    packed = pack_layers(cfg, params.layers)
+    packed = pack_layers(params.layers)
     assert set(packed) == ({"wq", "wk", "wv", "wo"} if arch in ("gpt_oss", "minimax_m2")
                            else {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
     n, t, pages = 90, 128, 8  # 90 tokens in a 128-row step: rows 90.. are padding

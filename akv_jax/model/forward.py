@@ -147,7 +147,7 @@ jax.tree_util.register_dataclass(PackedRef, data_fields=["panels", "layer"],
 PROJECTION_IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 
 
-def pack_layers(cfg: ModelConfig, layers: LayerParams) -> dict[str, jax.Array]:
+def pack_layers(layers: LayerParams) -> dict[str, jax.Array]:
     """The float32 projection stacks of ``layers`` packed for the CPU GEMM
     (``cpu_matmul.pack_panels``), for :func:`forward`'s ``packed``: empty where that kernel
     is not built. A copy of the weights, made once (by the serving DeviceGroup on the CPU):
@@ -174,8 +174,9 @@ def _packed_refs(cfg: ModelConfig, lp: LayerParams, packed: dict[str, jax.Array]
     for name, panels in packed.items():
         w = getattr(lp, name)
         if w is not None:
-            rows = np.zeros(cfg.num_layers, np.int32)
-            rows[list(stack_layers(cfg, name))] = np.arange(len(stack_layers(cfg, name)))
+            layers = stack_layers(cfg, name)
+            rows = np.zeros(cfg.num_layers, np.int32)  # layer -> its row in the stack
+            rows[list(layers)] = np.arange(len(layers))
             refs[name] = PackedRef(panels, jnp.asarray(rows)[layer], w.shape)
     return dataclasses.replace(lp, **refs)
 
