@@ -214,8 +214,8 @@ def test_project_zeroes_rows_past_live_on_every_path():
                                            (128, 32, 16, 0), (70, 300, 64, 70)])
 def test_packed_gemm_is_the_gemm(rows, k, n, live):
     """The GEMM from panels packed ahead (any layer of the stack, N not a multiple of the
-    panel width, padding rows) returns the bits the GEMM of the plain weight does; the
-    packing unpacks to the weight; off the CPU kernel (``default``) the same values."""
+    panel width, padding rows) returns the bits the GEMM of the plain weight does, and the
+    packing unpacks to the weight (what the lowering off the CPU multiplies by)."""
     rng = np.random.default_rng(7)
     w = jnp.asarray(rng.standard_normal((3, k, n)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))

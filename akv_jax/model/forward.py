@@ -37,7 +37,7 @@ import numpy as np
 
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.moe import moe_mlp
-from akv_jax.model.params import LayerParams, Params, stack_layers
+from akv_jax.model.params import LayerParams, Params, stack_layers, stack_row
 from akv_jax.pallas import cpu_matmul
 from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import AttentionFn, SegmentBatch
@@ -173,11 +173,9 @@ def _packed_refs(cfg: ModelConfig, lp: LayerParams, packed: dict[str, jax.Array]
     refs = {}
     for name, panels in packed.items():
         w = getattr(lp, name)
-        if w is not None:
-            layers = stack_layers(cfg, name)
-            rows = np.zeros(cfg.num_layers, np.int32)  # layer -> its row in the stack
-            rows[list(layers)] = np.arange(len(layers))
-            refs[name] = PackedRef(panels, jnp.asarray(rows)[layer], w.shape)
+        if w is not None:  # layer -> its row in the stack (0 where it has none: unused)
+            rows = [stack_row(cfg, name, i) or 0 for i in range(cfg.num_layers)]
+            refs[name] = PackedRef(panels, jnp.asarray(rows, jnp.int32)[layer], w.shape)
     return dataclasses.replace(lp, **refs)
 
 

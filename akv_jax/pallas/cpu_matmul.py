@@ -98,11 +98,9 @@ def matmul_packed(x: jax.Array, panels: jax.Array, layer: jax.Array, n: int,
     panels in the stack (a layer scan slices nothing), elsewhere the matmul of the unpacked
     layer. Rows from ``live`` on are zero. Call it only where :func:`applies_packed`;
     inference only (no VJP: training takes :func:`matmul`)."""
-    if not packs():
-        raise RuntimeError("the CPU GEMM is not available (see its warning)")
+    _require(packed=True)
     layer1 = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    rows = jnp.full((1,), x.shape[0], jnp.int32) if live is None else (
-        jnp.reshape(live, (1,)).astype(jnp.int32))
+    rows = _live_operand(x, live)
     call = jax.ffi.ffi_call(TARGET_GEMM_PACKED, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype),
                             vmap_method="sequential")
 
@@ -142,8 +140,8 @@ def applies_nt(x: jax.Array, w_nt: jax.Array) -> bool:
     return _takes_kernel(x, w_nt, gemm=False)
 
 
-def _require() -> None:
-    if not available():
+def _require(packed: bool = False) -> None:
+    if not (packs() if packed else available()):
         raise RuntimeError("the CPU matmul kernels are not available (see their warning)")
 
 
@@ -155,10 +153,15 @@ def matmul(x: jax.Array, w: jax.Array, live: jax.Array | None = None) -> jax.Arr
     ``live`` (int32 scalar): rows from ``live`` on are a step's padding and come back zero,
     on every platform. The GEMM (more than MAX_ROWS rows) neither computes nor reads them;
     the few-row kernel computes all rows (decode buckets pad little) and they are masked."""
-    rows = jnp.full((1,), x.shape[0], jnp.int32) if live is None else (
-        jnp.reshape(live, (1,)).astype(jnp.int32))
-    y = _matmul(x, w, rows)
+    y = _matmul(x, w, _live_operand(x, live))
     return zero_past(y, live) if x.shape[0] <= MAX_ROWS else y
+
+
+def _live_operand(x: jax.Array, live: jax.Array | None) -> jax.Array:
+    """The GEMMs' ``live`` operand, int32 [1]: ``live``, or all of ``x``'s rows."""
+    if live is None:
+        return jnp.full((1,), x.shape[0], jnp.int32)
+    return jnp.reshape(live, (1,)).astype(jnp.int32)
 
 
 def zero_past(y: jax.Array, live: jax.Array | None) -> jax.Array:
