@@ -129,6 +129,89 @@ def test_gradient_is_the_matmuls():
     np.testing.assert_allclose(gwt, ww.T, rtol=1e-5, atol=1e-5)
 
 
+# Gates across the activation's range, its exponential's clamps (|g| 87-88) and past them.
+EDGE_GATES = [0.0, -0.0, 1e-8, -1e-8, 3.5, -3.5, 20.0, -20.0, 86.9, -86.9, 87.5, -87.5,
+              88.5, -88.5, 100.0, -100.0, 1e30, -1e30]
+
+
+def silu_times_product_f64(x, w, gate):
+    g = np.asarray(gate, np.float64)
+    with np.errstate(over="ignore"):
+        silu = g / (1 + np.exp(-g))
+    return silu * (np.asarray(x, np.float64) @ np.asarray(w, np.float64)), silu
+
+
+def gated_inputs(rng, rows, k, n):
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    gate = (4 * rng.standard_normal((rows, n))).astype(np.float32)
+    gate.flat[: len(EDGE_GATES)] = EDGE_GATES
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(gate)
+
+
+@pytest.mark.parametrize("rows,k,n,live", [
+    (3, 37, 70, None),     # few-row kernel; columns past the last whole vector
+    (16, 64, 96, 11),      # few-row kernel, padding rows
+    (64, 48, 80, 64),      # the GEMM; a panel narrower than its width
+    (200, 130, 70, 150),   # several row chunks, padding rows inside one
+    (40, 2100, 33, None),  # two slices of k before the epilogue
+])
+def test_gated_products_are_silu_times_the_product(rows, k, n, live):
+    """``matmul_gated`` (SwiGLU's up projection with the activation as the kernels'
+    epilogue) is silu(gate) * (x @ w) against float64, from gates of -1e30 to 1e30; rows
+    past ``live`` are zero."""
+    x, w, gate = gated_inputs(np.random.default_rng(rows + k + n), rows, k, n)
+    live_ = None if live is None else jnp.int32(live)
+    got = np.asarray(jax.jit(cpu_matmul.matmul_gated)(x, w, gate, live_), np.float64)
+    want, silu = silu_times_product_f64(x, w, gate)
+    m = rows if live is None else live
+    err = np.abs(got[:m] - want[:m])
+    bound = 1e-5 * np.abs(want[:m]) + 1e-5 * np.sqrt(k) * (np.abs(silu[:m]) + 1e-3)
+    assert np.all(err <= bound), float(np.max(err / bound))
+    np.testing.assert_array_equal(got[m:], 0)
+
+
+def test_gated_rows_do_not_depend_on_the_kernel():
+    """The few-row kernel and the GEMM (plain or from packed panels) share the activation's
+    code as they share the sums: a row's bits are the same in any of them, at any
+    position."""
+    x, w, gate = gated_inputs(np.random.default_rng(11), 300, 600, 70)
+    mm = jax.jit(cpu_matmul.matmul_gated)
+    full = np.asarray(mm(x, w, gate))
+    for rows in (slice(0, 2), slice(0, 16), slice(290, 300), slice(None, None, -1)):
+        np.testing.assert_array_equal(np.asarray(mm(x[rows], w, gate[rows])), full[rows])
+    panels = cpu_matmul.pack_panels(w[None])
+    packed = jax.jit(lambda x, p, g: cpu_matmul.matmul_packed(x, p, jnp.int32(0), 70, None, g))
+    assert ffi_targets(str(jax.make_jaxpr(packed)(x, panels, gate))) == {
+        cpu_matmul.TARGET_GEMM_PACKED_GATED}
+    np.testing.assert_array_equal(np.asarray(packed(x, panels, gate)), full)
+    live = jnp.int32(123)
+    got = np.asarray(cpu_matmul.matmul_packed(x, panels, jnp.int32(0), 70, live, gate))
+    np.testing.assert_array_equal(got[:123], full[:123])
+    np.testing.assert_array_equal(got[123:], 0)
+
+
+@pytest.mark.parametrize("rows,live", [(4, None), (80, 50)])
+def test_gated_gradient_is_the_reference(rows, live):
+    """The gated product's VJP (training through the kernels) against jax.grad of
+    silu(gate) * (x @ w); padding rows get none."""
+    x, w, gate = gated_inputs(np.random.default_rng(rows), rows, 24, 40)
+    gate = gate / 100  # inside the activation's curved part (EDGE_GATES / 100)
+    live_ = None if live is None else jnp.int32(live)
+    m = rows if live is None else live
+    mask = (jnp.arange(rows) < m)[:, None]
+
+    def loss(f):
+        return jax.grad(lambda x, w, g: jnp.sum(jnp.sin(f(x, w, g))), argnums=(0, 1, 2))
+
+    want = loss(lambda x, w, g: jnp.where(mask, jax.nn.silu(g) * (x @ w), 0))(x, w, gate)
+    got = loss(lambda x, w, g: cpu_matmul.matmul_gated(x, w, g, live_))(x, w, gate)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got[0][m:], 0)
+    np.testing.assert_array_equal(got[2][m:], 0)
+
+
 EQS = [  # every projection form of the model (forward.py)
     ("td,dhk->thk", (12,), (12, 3, 16)),
     ("thk,hkd->td", (3, 16), (3, 16, 20)),
@@ -210,6 +293,38 @@ def test_project_zeroes_rows_past_live_on_every_path():
                                    rtol=1e-4, atol=1e-4)
 
 
+def test_project_gated_on_every_path():
+    """The MLP's ``project_gated`` takes the gated kernels where ``project`` takes a kernel
+    (from a plain or a packed weight; a packed one's few rows unpack it), XLA's silu
+    elsewhere (32 rows, bfloat16, a LoRA-adapted weight); each is silu(gate) * (x @ w),
+    zero past ``live``."""
+    from akv_jax.model.forward import Adapted, PackedRef, project_gated
+
+    rng = np.random.default_rng(8)
+    w = jnp.asarray(rng.standard_normal((20, 48)).astype(np.float32))
+    a = jnp.asarray(rng.standard_normal((20, 2)).astype(np.float32))
+    b = jnp.asarray(rng.standard_normal((2, 48)).astype(np.float32))
+    packed = PackedRef(cpu_matmul.pack_panels(w[None]), jnp.int32(0), w.shape)
+    g, p = cpu_matmul.TARGET_GEMM_GATED, cpu_matmul.TARGET_GEMM_PACKED_GATED
+    for rows, live, weight, target in [
+        (70, 41, w, g), (70, 41, packed, p), (12, 5, w, cpu_matmul.TARGET_GATED),
+        (12, 5, packed, cpu_matmul.TARGET_GATED), (32, 20, w, None),
+        (70, 41, w.astype(jnp.bfloat16), None), (70, 41, Adapted(w, a, b, 0.5), None),
+    ]:
+        x = jnp.asarray(rng.standard_normal((rows, 20)).astype(np.float32))
+        gate = jnp.asarray(rng.standard_normal((rows, 48)).astype(np.float32))
+        live_ = jnp.int32(live)
+        f = lambda x, gate: project_gated(x, weight, gate, live_)  # noqa: E731, B023
+        targets = ffi_targets(str(jax.make_jaxpr(f)(x, gate)))
+        assert (target in targets) if target else not (targets & {g, p, cpu_matmul.TARGET_GATED})
+        got = np.asarray(f(x, gate), np.float64)
+        full = w + 0.5 * a @ b if isinstance(weight, Adapted) else w
+        want, _ = silu_times_product_f64(x, full, gate)
+        tol = 5e-2 if getattr(weight, "dtype", None) == jnp.bfloat16 else 1e-4
+        np.testing.assert_allclose(got[:live], want[:live], rtol=tol, atol=tol)
+        np.testing.assert_array_equal(got[live:], 0)
+
+
 @pytest.mark.parametrize("rows,k,n,live", [(64, 48, 80, 64), (100, 576, 200, 77),
                                            (128, 32, 16, 0), (70, 300, 64, 70)])
 def test_packed_gemm_is_the_gemm(rows, k, n, live):
@@ -266,6 +381,11 @@ def test_forward_from_packed_layers_is_the_forward(arch):
 
     targets = ffi_targets(str(jax.make_jaxpr(run)(params, packed)))
     assert cpu_matmul.TARGET_GEMM_PACKED in targets and cpu_matmul.TARGET_GEMM not in targets
+    # a dense MLP's up projection carries its activation (Qwen3-MoE's dense layers too)
+    dense = arch in ("llama", "qwen3_moe")
+    assert (cpu_matmul.TARGET_GEMM_PACKED_GATED in targets) == dense
+    assert (cpu_matmul.TARGET_GEMM_GATED in ffi_targets(str(jax.make_jaxpr(run)(params, {})))
+            ) == dense
     (logits_p, kv_p), (logits, kv) = run(params, packed), run(params, {})
     np.testing.assert_array_equal(np.asarray(logits_p), np.asarray(logits))
     np.testing.assert_array_equal(np.asarray(kv_p.k), np.asarray(kv.k))

@@ -213,6 +213,22 @@ def project(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Arra
     return cpu_matmul.zero_past(y, live)  # every path agrees on the padding rows
 
 
+def project_gated(x: jax.Array, w, gate: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """SwiGLU's ``silu(gate) * (x @ w)`` for the up projection ``w`` [D, F] (or its
+    :class:`PackedRef` / :class:`Adapted` form), ``x`` [T, D], ``gate`` [T, F]. Where
+    :func:`project`'s rows take a CPU kernel the activation is the kernel's epilogue
+    (``cpu_matmul.matmul_gated``: one pass, where XLA read the gate and up outputs back;
+    the same bits from every kernel and from packed weights); elsewhere
+    ``jax.nn.silu(gate) * project(...)``. Rows from ``live`` on are zero on every path."""
+    if isinstance(w, PackedRef):
+        if cpu_matmul.applies_packed(x, w.panels) and cpu_matmul.gates():
+            return cpu_matmul.matmul_packed(x, w.panels, w.layer, gate.shape[1], live, gate)
+        w = cpu_matmul.unpack_panels(w.panels, w.layer, gate.shape[1]).reshape(w.shape)
+    if isinstance(w, jax.Array) and cpu_matmul.applies_gated(x, w):
+        return cpu_matmul.matmul_gated(x, w, gate, live)
+    return jax.nn.silu(gate) * project("td,df->tf", x, w, live)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
@@ -311,8 +327,8 @@ def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Arra
     if lp.router is not None:
         return x + moe_mlp(cfg, lp, h)
     gate = project("td,df->tf", h, lp.w_gate, live)
-    up = project("td,df->tf", h, lp.w_up, live)
-    return x + project("tf,fd->td", jax.nn.silu(gate) * up, lp.w_down, live)
+    act = project_gated(h, lp.w_up, gate, live)
+    return x + project("tf,fd->td", act, lp.w_down, live)
 
 
 def live_rows(batch: SegmentBatch) -> jax.Array:

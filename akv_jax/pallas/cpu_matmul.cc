@@ -8,7 +8,8 @@
 // multiplied into register accumulators for up to 8 rows of x; partial sums live in a
 // per-thread buffer between bands and in y between slices of k.
 // Columns are split across XLA's intra-op threads. A second entry point takes w as [N, K]
-// (a tied embedding used as the output head), whose rows are contiguous already.
+// (a tied embedding used as the output head), whose rows are contiguous already; a third,
+// SwiGLU's gate too, and returns silu(gate) * (x @ w) (cpu_vec.h's epilogue, as the GEMM's).
 
 #include <algorithm>
 #include <cmath>
@@ -128,8 +129,9 @@ constexpr TileFn kTiles[MT + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
 constexpr TileFn kTilesNT[MT + 1] = {nullptr,    tile_nt<1>, tile_nt<2>, tile_nt<3>, tile_nt<4>,
                                      tile_nt<5>, tile_nt<6>, tile_nt<7>, tile_nt<8>};
 
+// `gate` [M, N] or null: y = silu(gate) * (x @ w), each thread's columns as it finishes them.
 ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M,
-               int64_t K, int64_t N, const TileFn* tiles) {
+               int64_t K, int64_t N, const TileFn* tiles, const float* gate = nullptr) {
   if (K == 0) {
     std::memset(y, 0, sizeof(float) * M * N);
     return ffi::Error::Success();
@@ -142,6 +144,9 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* y, 
     const int64_t c1 = part + 1 == parts ? N : std::min(N, pieces * (part + 1) / parts * PIECE);
     for (int64_t m0 = 0; m0 < M; m0 += MT)
       tiles[std::min<int64_t>(MT, M - m0)](x, w, y, K, N, m0, c0, c1);
+    if (gate)
+      for (int64_t m = 0; m < M; ++m)
+        akv::silu_mul_inplace(y + m * N + c0, gate + m * N + c0, c1 - c0);
   });
   return ffi::Error::Success();
 }
@@ -154,6 +159,19 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
     return ffi::Error::InvalidArgument("akv_cpu_matmul: x [M, K] @ w [K, N]");
   return Run(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1], kTiles);
+}
+
+// silu(gate) * (x @ w): SwiGLU's up projection with the activation as its epilogue
+ffi::Error ImplGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::Buffer<ffi::F32> gate, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto gd = gate.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || gd.size() != 2 ||
+      gd[0] != xd[0] || gd[1] != wd[1])
+    return ffi::Error::InvalidArgument("akv_cpu_matmul_gated: x [M, K] @ w [K, N], gate [M, N]");
+  return Run(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1], kTiles,
+             gate.typed_data());
 }
 
 // x [M, K] @ w [N, K]^T
@@ -174,6 +192,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuMatmul, Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuMatmulGated, ImplGated,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate [M, N]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuMatmulNT, ImplNT,

@@ -28,6 +28,13 @@ TARGET = "akv_cpu_matmul"  # x [M, K] @ w [K, N], 2..MAX_ROWS rows
 TARGET_NT = "akv_cpu_matmul_nt"  # x [M, K] @ w [N, K]^T, 2..MAX_ROWS rows
 TARGET_GEMM = "akv_cpu_gemm"  # x [M, K] @ w [K, N], more rows
 TARGET_GEMM_PACKED = "akv_cpu_gemm_packed"  # the same from w packed ahead (pack_panels)
+# silu(gate) * (x @ w), SwiGLU's up projection with its activation as the epilogue (one
+# pass where XLA read the gate and up outputs back: SmolLM2's 2,000-token forward spent
+# ~3 ms a layer on that fusion after the GEMMs). The kernels share the activation's code,
+# so, as for the sums, a row's bits do not depend on which kernel ran.
+TARGET_GATED = "akv_cpu_matmul_gated"
+TARGET_GEMM_GATED = "akv_cpu_gemm_gated"
+TARGET_GEMM_PACKED_GATED = "akv_cpu_gemm_packed_gated"
 MAX_ROWS = 16  # the few-row kernel's: decode buckets 8 and 16; prefill rows start at 64
 # Fewest rows for which a model's projections take the GEMM: every prefill bucket (64 rows
 # and up), so a prefill row's bits depend neither on the rows around it nor on the host. XLA's
@@ -92,22 +99,31 @@ def applies_packed(x: jax.Array, panels: jax.Array) -> bool:
 
 
 def matmul_packed(x: jax.Array, panels: jax.Array, layer: jax.Array, n: int,
-                  live: jax.Array | None = None) -> jax.Array:
+                  live: jax.Array | None = None, gate: jax.Array | None = None) -> jax.Array:
     """``x @ w`` [M, n] for ``w`` layer ``layer`` (int32 scalar) of a :func:`pack_panels`
     stack, the same bits as :func:`matmul` of ``w``: on the CPU the GEMM reads the layer's
     panels in the stack (a layer scan slices nothing), elsewhere the matmul of the unpacked
-    layer. Rows from ``live`` on are zero. Call it only where :func:`applies_packed`;
-    inference only (no VJP: training takes :func:`matmul`)."""
-    _require(packed=True)
+    layer. ``gate`` [M, n]: ``silu(gate) * (x @ w)``, the same bits as :func:`matmul_gated`
+    (needs :func:`gates`). Rows from ``live`` on are zero. Call it only where
+    :func:`applies_packed`; inference only (no VJP: training takes :func:`matmul`)."""
+    _require(packed=True, gated=gate is not None)
     layer1 = jnp.reshape(layer, (1,)).astype(jnp.int32)
     rows = _live_operand(x, live)
-    call = jax.ffi.ffi_call(TARGET_GEMM_PACKED, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype),
-                            vmap_method="sequential")
+    out = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
+    if gate is None:
+        call = jax.ffi.ffi_call(TARGET_GEMM_PACKED, out, vmap_method="sequential")
 
-    def unpacked(x, panels, layer1, rows):
-        return _masked_matmul(x, unpack_panels(panels, layer1[0], n), rows)
+        def unpacked(x, panels, layer1, rows):
+            return _masked_matmul(x, unpack_panels(panels, layer1[0], n), rows)
 
-    return jax.lax.platform_dependent(x, panels, layer1, rows, cpu=call, default=unpacked)
+        return jax.lax.platform_dependent(x, panels, layer1, rows, cpu=call, default=unpacked)
+    call = jax.ffi.ffi_call(TARGET_GEMM_PACKED_GATED, out, vmap_method="sequential")
+
+    def unpacked_gated(x, panels, layer1, gate, rows):
+        return _masked_gated(x, unpack_panels(panels, layer1[0], n), gate, rows)
+
+    return jax.lax.platform_dependent(x, panels, layer1, gate, rows, cpu=call,
+                                      default=unpacked_gated)
 
 
 def _unsharded() -> bool:
@@ -140,8 +156,8 @@ def applies_nt(x: jax.Array, w_nt: jax.Array) -> bool:
     return _takes_kernel(x, w_nt, gemm=False)
 
 
-def _require(packed: bool = False) -> None:
-    if not (packs() if packed else available()):
+def _require(packed: bool = False, gated: bool = False) -> None:
+    if not (gates() if gated else packs() if packed else available()):
         raise RuntimeError("the CPU matmul kernels are not available (see their warning)")
 
 
@@ -155,6 +171,15 @@ def matmul(x: jax.Array, w: jax.Array, live: jax.Array | None = None) -> jax.Arr
     the few-row kernel computes all rows (decode buckets pad little) and they are masked."""
     y = _matmul(x, w, _live_operand(x, live))
     return zero_past(y, live) if x.shape[0] <= MAX_ROWS else y
+
+
+def gates() -> bool:
+    """Whether the gated products (:func:`matmul_gated`, :func:`matmul_packed` with a
+    gate) are built and registered."""
+    return (packs() and cpu_ffi.register("cpu_matmul.cc", TARGET_GATED, "AkvCpuMatmulGated")
+            and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_GATED, "AkvCpuGemmGated")
+            and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_PACKED_GATED,
+                                 "AkvCpuGemmPackedGated"))
 
 
 def _live_operand(x: jax.Array, live: jax.Array | None) -> jax.Array:
@@ -202,6 +227,60 @@ def _bwd(res, g):
 
 
 _matmul.defvjp(_fwd, _bwd)
+
+
+def applies_gated(x: jax.Array, w: jax.Array) -> bool:
+    """Whether ``silu(gate) * (x @ w)`` takes a kernel (:func:`matmul_gated`): as
+    :func:`applies`, and the gated kernels built."""
+    return applies(x, w) and gates()
+
+
+def matmul_gated(x: jax.Array, w: jax.Array, gate: jax.Array,
+                 live: jax.Array | None = None) -> jax.Array:
+    """``silu(gate) * (x @ w)`` for ``x [M, K]``, ``w [K, N]``, ``gate [M, N]`` (SwiGLU's
+    up projection and activation), where :func:`applies_gated`: the product as
+    :func:`matmul` sums it, the activation as the kernels' shared epilogue. Rows from
+    ``live`` on are zero."""
+    y = _matmul_gated(x, w, gate, _live_operand(x, live))
+    return zero_past(y, live) if x.shape[0] <= MAX_ROWS else y
+
+
+def _silu_times(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def _masked_gated(x: jax.Array, w: jax.Array, gate: jax.Array, live: jax.Array) -> jax.Array:
+    return zero_past(_silu_times(gate, x @ w), live)
+
+
+@jax.custom_vjp
+def _matmul_gated(x: jax.Array, w: jax.Array, gate: jax.Array, live: jax.Array) -> jax.Array:
+    _require(gated=True)
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
+    if x.shape[0] <= MAX_ROWS:
+        call = jax.ffi.ffi_call(TARGET_GATED, out, vmap_method="sequential")
+        return jax.lax.platform_dependent(
+            x, w, gate, cpu=call, default=lambda x, w, gate: _silu_times(gate, x @ w))
+    call = jax.ffi.ffi_call(TARGET_GEMM_GATED, out, vmap_method="sequential")
+    return jax.lax.platform_dependent(x, w, gate, live, cpu=call, default=_masked_gated)
+
+
+def _fwd_gated(x, w, gate, live):
+    return _matmul_gated(x, w, gate, live), (x, w, gate, live)
+
+
+def _bwd_gated(res, g):
+    x, w, gate, live = res
+    if x.shape[0] > MAX_ROWS:  # padding rows are constant zeros
+        g = zero_past(g, live)
+    up = x @ w
+    sig = jax.nn.sigmoid(gate)
+    d_up = g * gate * sig
+    d_gate = g * up * sig * (1 + gate * (1 - sig))  # silu'(a) = s(a) (1 + a (1 - s(a)))
+    return d_up @ w.T, x.T @ d_up, d_gate, None
+
+
+_matmul_gated.defvjp(_fwd_gated, _bwd_gated)
 
 
 @jax.custom_vjp

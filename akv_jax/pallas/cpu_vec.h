@@ -1,5 +1,6 @@
 // What the XLA:CPU kernels (cpu_*.cc) share besides their work sharing (cpu_pool.h): the
-// vector type and its loads, and the order in which the matmul kernels sum.
+// vector type and its loads, the order in which the matmul kernels sum, and their gated
+// products' epilogue.
 
 #pragma once
 
@@ -82,6 +83,46 @@ inline int64_t k_slice(int64_t K) {
   constexpr int64_t kMax = 256;
   const int64_t slices = (K + kMax - 1) / kMax;
   return (K + slices - 1) / slices;
+}
+
+// SwiGLU's activation times the up projection, silu(g) * u = g / (1 + e^-g) * u, lane by
+// lane: the epilogue of the gated products in cpu_matmul.cc and cpu_gemm.cc, which share it
+// so that an MLP row's bits do not depend on which kernel ran (as their sums do not). e^x
+// is Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built
+// in the exponent bits) on x clamped to [-87, 88], where 2^n stays a normal float: past
+// them silu(g) is g (g > 87, e^-g < 1.7e-38 beside 1) or 0 (g < -88: |silu(g)| < 1e-36).
+inline vf vsilu_mul(vf g, vf u) {
+  vf x = -g;
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+  const vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * r * r + r + splat(1.0f);
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf pow2;
+  std::memcpy(&pow2, &e, sizeof pow2);
+  return g / (splat(1.0f) + y * pow2) * u;
+}
+
+// y[i] = silu(g[i]) * y[i] for i < n, every element through vsilu_mul (a last part vector
+// through a zero-padded copy: an element's bits do not depend on where it lies).
+inline void silu_mul_inplace(float* y, const float* g, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(y + i, vsilu_mul(vload(g + i), vload(y + i)));
+  if (i < n) {
+    alignas(64) float gt[W] = {}, yt[W] = {};
+    std::memcpy(gt, g + i, sizeof(float) * (n - i));
+    std::memcpy(yt, y + i, sizeof(float) * (n - i));
+    vstore(yt, vsilu_mul(vload(gt), vload(yt)));
+    std::memcpy(y + i, yt, sizeof(float) * (n - i));
+  }
 }
 
 }  // namespace akv
