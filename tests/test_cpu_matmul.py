@@ -183,7 +183,7 @@ def test_gated_rows_do_not_depend_on_the_kernel():
     panels = cpu_matmul.pack_panels(w[None])
     packed = jax.jit(lambda x, p, g: cpu_matmul.matmul_packed(x, p, jnp.int32(0), 70, None, g))
     assert ffi_targets(str(jax.make_jaxpr(packed)(x, panels, gate))) == {
-        cpu_matmul.TARGET_GEMM_PACKED_GATED}
+        cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE}
     np.testing.assert_array_equal(np.asarray(packed(x, panels, gate)), full)
     live = jnp.int32(123)
     got = np.asarray(cpu_matmul.matmul_packed(x, panels, jnp.int32(0), 70, live, gate))
@@ -305,7 +305,7 @@ def test_project_gated_on_every_path():
     a = jnp.asarray(rng.standard_normal((20, 2)).astype(np.float32))
     b = jnp.asarray(rng.standard_normal((2, 48)).astype(np.float32))
     packed = PackedRef(cpu_matmul.pack_panels(w[None]), jnp.int32(0), w.shape)
-    g, p = cpu_matmul.TARGET_GEMM_GATED, cpu_matmul.TARGET_GEMM_PACKED_GATED
+    g, p = cpu_matmul.TARGET_GEMM_GATED, cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE
     for rows, live, weight, target in [
         (70, 41, w, g), (70, 41, packed, p), (12, 5, w, cpu_matmul.TARGET_GATED),
         (12, 5, packed, cpu_matmul.TARGET_GATED), (32, 20, w, None),
@@ -350,6 +350,33 @@ def test_packed_gemm_is_the_gemm(rows, k, n, live):
         np.testing.assert_array_equal(got[live:], 0)
 
 
+@pytest.mark.parametrize("rows,k,n,live", [(64, 48, 80, 64), (100, 576, 200, 77),
+                                           (70, 300, 64, 0)])
+def test_packed_gemm_adds_the_residual(rows, k, n, live):
+    """The packed GEMM's residual epilogue is bit for bit the add after the product
+    (``residual + x @ w``, rows past ``live``: ``residual + 0``, so -0 becomes +0 as in
+    XLA's add)."""
+    rng = np.random.default_rng(9)
+    w = jnp.asarray(rng.standard_normal((2, k, n)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+    r = rng.standard_normal((rows, n)).astype(np.float32)
+    r[-1, :3] = [-0.0, 1e30, -1e-30]
+    r = jnp.asarray(r)
+    panels = cpu_matmul.pack_panels(w)
+    live_ = jnp.int32(live)
+    fused = jax.jit(lambda x, p, r: cpu_matmul.matmul_packed(x, p, jnp.int32(1), n, live_,
+                                                             residual=r))
+    assert ffi_targets(str(jax.make_jaxpr(fused)(x, panels, r))) == {
+        cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE}
+    want = np.asarray(jax.jit(lambda x, p, r: r + cpu_matmul.matmul_packed(
+        x, p, jnp.int32(1), n, live_))(x, panels, r))
+    got = np.asarray(fused(x, panels, r))
+    np.testing.assert_array_equal(got, want)
+    assert not np.signbit(got[-1, 0])  # -0 + 0 is +0
+    with pytest.raises(ValueError, match="not both"):
+        cpu_matmul.matmul_packed(x, panels, jnp.int32(1), n, live_, gate=r, residual=r)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen3_moe", "minimax_m2"])
 def test_forward_from_packed_layers_is_the_forward(arch):
     """A prefill forward whose layer scan reads the projections from :func:`pack_layers`'
@@ -381,9 +408,10 @@ def test_forward_from_packed_layers_is_the_forward(arch):
 
     targets = ffi_targets(str(jax.make_jaxpr(run)(params, packed)))
     assert cpu_matmul.TARGET_GEMM_PACKED in targets and cpu_matmul.TARGET_GEMM not in targets
-    # a dense MLP's up projection carries its activation (Qwen3-MoE's dense layers too)
+    # a dense MLP's up projection carries its activation (Qwen3-MoE's dense layers too);
+    # packed, the output projection without a bias (all but GPT-OSS's) its residual add
     dense = arch in ("llama", "qwen3_moe")
-    assert (cpu_matmul.TARGET_GEMM_PACKED_GATED in targets) == dense
+    assert (cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE in targets) == (arch != "gpt_oss")
     assert (cpu_matmul.TARGET_GEMM_GATED in ffi_targets(str(jax.make_jaxpr(run)(params, {})))
             ) == dense
     (logits_p, kv_p), (logits, kv) = run(params, packed), run(params, {})

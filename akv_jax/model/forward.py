@@ -179,7 +179,24 @@ def _packed_refs(cfg: ModelConfig, lp: LayerParams, packed: dict[str, jax.Array]
     return dataclasses.replace(lp, **refs)
 
 
-def project(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Array:
+def project(eq: str, x: jax.Array, w, live: jax.Array | None = None,
+            residual: jax.Array | None = None) -> jax.Array:
+    """:func:`project_only`, plus ``residual`` (the output's shape) when given: from packed
+    float32 weights on the CPU the GEMM adds it to each block as it lands (the bits of the
+    add after the product, without XLA's pass over both)."""
+    if residual is not None and isinstance(w, PackedRef):
+        x2 = x.reshape(x.shape[0], -1)
+        if (cpu_matmul.applies_packed(x2, w.panels) and residual.dtype == x2.dtype
+                and cpu_matmul.gates()):
+            r2 = residual.reshape(x.shape[0], -1)
+            y = cpu_matmul.matmul_packed(x2, w.panels, w.layer, r2.shape[1], live,
+                                         residual=r2)
+            return y.reshape(residual.shape)
+    y = project_only(eq, x, w, live)
+    return y if residual is None else residual + y
+
+
+def project_only(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Array:
     """``einsum(eq, x, w)`` for a projection weight ``w`` (contracting every non-token axis
     of ``x``), or its :class:`Adapted` form. Float32 rows on the CPU take the kernels of
     :mod:`akv_jax.pallas.cpu_matmul` (a decode step's few rows: XLA's small-GEMM path is
@@ -322,13 +339,17 @@ def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Arra
                  live: jax.Array | None = None) -> jax.Array:
     """The second half of a layer: output projection, residual, MLP (or MoE), residual. The
     layer is MoE when ``lp`` holds a router. ``live``: see :func:`live_rows`."""
-    x = x + _bias(project("thk,hkd->td", attn.astype(x.dtype), lp.wo, live), lp.bo)
+    attn = attn.astype(x.dtype)
+    if lp.bo is None:
+        x = project("thk,hkd->td", attn, lp.wo, live, residual=x)
+    else:
+        x = x + _bias(project("thk,hkd->td", attn, lp.wo, live), lp.bo)
     h = _norm(cfg, x, lp.mlp_norm)
     if lp.router is not None:
         return x + moe_mlp(cfg, lp, h)
     gate = project("td,df->tf", h, lp.w_gate, live)
     act = project_gated(h, lp.w_up, gate, live)
-    return x + project("tf,fd->td", act, lp.w_down, live)
+    return project("tf,fd->td", act, lp.w_down, live, residual=x)
 
 
 def live_rows(batch: SegmentBatch) -> jax.Array:

@@ -14,8 +14,10 @@
 // prefetchers alone left the kernel at ~60% of its in-L1 speed).
 //
 // AkvCpuGemmPacked is the same product from w packed ahead of time in that layout (a stack
-// of layers, cpu_matmul.pack_panels): it reads the layer's panels where they lie. The Gated
-// entries take SwiGLU's gate too and return silu(gate) * (x @ w) (cpu_vec.h's epilogue).
+// of layers, cpu_matmul.pack_panels): it reads the layer's panels where they lie.
+// AkvCpuGemmGated and AkvCpuGemmPackedEpilogue finish each block of y as it lands: SwiGLU's
+// silu(gate) * (x @ w) (cpu_vec.h's epilogue) or, from packed w, also x @ w + r (a residual
+// stream), where XLA made a pass over y of its own.
 //
 // Every output element is the same sum in the same order as in cpu_matmul.cc's few-row
 // kernel (a chain of fused multiply-adds per slice of k, slices added in order): a row's
@@ -58,6 +60,16 @@ constexpr int64_t MC = 12 * MR;  // rows of x per item
 // Packed w at a time (the calling thread's buffer): a vocabulary head of a training
 // forward would otherwise copy the whole embedding.
 constexpr int64_t PACK_BYTES = 16 << 20;
+
+// What the GEMM does to each block of y as it lands (the packed entries' `epilogue`).
+enum class Epilogue : int64_t { kNone = 0, kSiluMul = 1, kAdd = 2 };
+
+// y[i] += e[i] for i < n.
+inline void add_inplace(float* y, const float* e, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(y + i, vload(y + i) + vload(e + i));
+  for (; i < n; ++i) y[i] += e[i];
+}
 
 
 // One micro-panel of x (row m, step k at ap[k * sk + m * sm]: in place, or a packed copy)
@@ -126,9 +138,11 @@ struct Gemm {
   int64_t pack0;             // first panel in packed_w
   const float* packed_w;     // [panels packed][K][NR]
   float* pack_buf = nullptr;  // where pack_w writes them (packed_w), when it does
-  // SwiGLU's gate [M, N], or null: y = silu(gate) * (x @ w), applied to each MR x NR block
-  // as its last slice of k lands (still in L1), instead of an XLA pass over [M, N] twice.
-  const float* gate = nullptr;
+  // The epilogue's operand e [M, N], or null, applied to each MR x NR block as its last
+  // slice of k lands (still in L1) instead of in an XLA pass over [M, N]: SwiGLU's gate
+  // (y = silu(e) * (x @ w)) or a residual stream (y = x @ w + e, the add's bits as XLA's).
+  const float* e = nullptr;
+  Epilogue epilogue = Epilogue::kNone;
 
   void pack_w(int64_t p) const {
     float* dst = pack_buf + (p - pack0) * K * NR;
@@ -153,11 +167,11 @@ struct Gemm {
     }
   }
 
-  // Rows [m0, m0 + n) of the gate's columns [c0, c0 + cols) into L1 (n <= 0: none).
-  void prefetch_gate(int64_t m0, int64_t n, int64_t c0, int cols) const {
+  // Rows [m0, m0 + n) of e's columns [c0, c0 + cols) into L1 (n <= 0: none).
+  void prefetch_e(int64_t m0, int64_t n, int64_t c0, int cols) const {
     for (int64_t m = 0; m < n; ++m)
       for (int j = 0; j < cols; j += 64 / sizeof(float))
-        __builtin_prefetch(gate + (m0 + m) * N + c0 + j);
+        __builtin_prefetch(e + (m0 + m) * N + c0 + j);
   }
 
   // Panels outer, slices of k inner: the chunk's C block of one panel (MC x NR, 21 KB with
@@ -185,17 +199,20 @@ struct Gemm {
           const int r = static_cast<int>(std::min<int64_t>(MR, rows - i * MR));
           float* c = y + (m0 + i * MR) * N + p * NR;
           const float* pf = i == 0 ? next : nullptr;
-          if (gate && k0 + kcur == K)  // the epilogue's gate rows, a micro-panel ahead (they
+          if (e && k0 + kcur == K)  // the epilogue's rows of e, a micro-panel ahead (they
             for (int64_t j = i == 0 ? 0 : 1; j < 2; ++j)  // come from memory: +15% unfetched)
-              prefetch_gate(m0 + (i + j) * MR, std::min<int64_t>(MR, rows - (i + j) * MR),
-                            p * NR, cols);
+              prefetch_e(m0 + (i + j) * MR, std::min<int64_t>(MR, rows - (i + j) * MR), p * NR,
+                         cols);
           if (r == MR)
             micro(x + (m0 + i * MR) * K + k0, 1, K, bp, kcur, c, N, r, cols, k0 == 0, pf);
           else
             micro(xbuf.data() + k0 * MR, MR, 1, bp, kcur, c, N, r, cols, k0 == 0, pf);
-          if (gate && k0 + kcur == K)
-            for (int m = 0; m < r; ++m)
-              akv::silu_mul_inplace(c + m * N, gate + (m0 + i * MR + m) * N + p * NR, cols);
+          if (e && k0 + kcur == K)
+            for (int m = 0; m < r; ++m) {
+              const float* em = e + (m0 + i * MR + m) * N + p * NR;
+              if (epilogue == Epilogue::kSiluMul) akv::silu_mul_inplace(c + m * N, em, cols);
+              else add_inplace(c + m * N, em, cols);
+            }
         }
       }
     }
@@ -226,15 +243,15 @@ void run(ffi::ThreadPool& pool, Gemm& g, bool pack) {
   }
 }
 
-// Rows from `live` on are zero in y; g.M is the rows before it. False: nothing left to do.
+// Rows from `live` on are zero in y (e + 0 with the add epilogue, as XLA's x + zero rows);
+// g.M is the rows before it. False: nothing left to do.
 bool start(Gemm& g, int64_t rows, int32_t live) {
   g.M = std::clamp<int64_t>(live, 0, rows);
-  if (g.M < rows) std::memset(g.y + g.M * g.N, 0, sizeof(float) * (rows - g.M) * g.N);
-  if (g.M == 0 || g.N == 0) return false;
-  if (g.K == 0) {
-    std::memset(g.y, 0, sizeof(float) * g.M * g.N);
-    return false;
-  }
+  const int64_t first_zero = g.K == 0 ? 0 : g.M;  // no k: every row's product is zero
+  std::memset(g.y + first_zero * g.N, 0, sizeof(float) * (rows - first_zero) * g.N);
+  if (g.epilogue == Epilogue::kAdd)
+    add_inplace(g.y + first_zero * g.N, g.e + first_zero * g.N, (rows - first_zero) * g.N);
+  if (g.M == 0 || g.N == 0 || g.K == 0) return false;
   g.panels = (g.N + NR - 1) / NR;
   g.kc = akv::k_slice(g.K);  // the summation order both matmul kernels share
   return true;
@@ -244,7 +261,8 @@ bool start(Gemm& g, int64_t rows, int32_t live) {
 // pads a prefill to its next bucket): y is zero there and they cost nothing. A 2,000-token
 // prompt runs 2,048 rows, an agent turn's ~330 new tokens 384.
 ffi::Error Plain(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
-                 const float* gate, ffi::Buffer<ffi::S32>& live, ffi::ResultBuffer<ffi::F32>& y) {
+                 const float* e, Epilogue epilogue, ffi::Buffer<ffi::S32>& live,
+                 ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || live.element_count() != 1)
@@ -253,7 +271,8 @@ ffi::Error Plain(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ff
   g.x = x.typed_data();
   g.w = w.typed_data();
   g.y = y->typed_data();
-  g.gate = gate;
+  g.e = e;
+  g.epilogue = epilogue;
   g.K = xd[1];
   g.N = wd[1];
   if (!start(g, xd[0], live.typed_data()[0])) return ffi::Error::Success();
@@ -272,8 +291,8 @@ ffi::Error Plain(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ff
 // hands the kernel the whole stack and the layer's index, so neither XLA (slicing the
 // layer's weights out of the stack) nor the kernel (packing them) copies them per call.
 ffi::Error Packed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& wp,
-                  ffi::Buffer<ffi::S32>& layer, const float* gate, ffi::Buffer<ffi::S32>& live,
-                  ffi::ResultBuffer<ffi::F32>& y) {
+                  ffi::Buffer<ffi::S32>& layer, const float* e, Epilogue epilogue,
+                  ffi::Buffer<ffi::S32>& live, ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions();
   const auto pd = wp.dimensions();
   const auto yd = y->dimensions();
@@ -290,7 +309,8 @@ ffi::Error Packed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
   g.x = x.typed_data();
   g.w = nullptr;
   g.y = y->typed_data();
-  g.gate = gate;
+  g.e = e;
+  g.epilogue = epilogue;
   g.K = xd[1];
   g.N = yd[1];
   if (!start(g, xd[0], live.typed_data()[0])) return ffi::Error::Success();
@@ -300,9 +320,9 @@ ffi::Error Packed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
-// `gate` must be y's shape (the gated entries).
-bool gate_fits(ffi::Buffer<ffi::F32>& gate, ffi::ResultBuffer<ffi::F32>& y) {
-  const auto gd = gate.dimensions();
+// The epilogue's operand must be y's shape.
+bool fits(ffi::Buffer<ffi::F32>& e, ffi::ResultBuffer<ffi::F32>& y) {
+  const auto gd = e.dimensions();
   const auto yd = y->dimensions();
   return gd.size() == 2 && yd.size() == 2 && gd[0] == yd[0] && gd[1] == yd[1];
 }
@@ -312,30 +332,33 @@ bool gate_fits(ffi::Buffer<ffi::F32>& gate, ffi::ResultBuffer<ffi::F32>& y) {
 // prompt runs 2,048 rows, an agent turn's ~330 new tokens 384.
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                 ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
-  return Plain(pool, x, w, nullptr, live, y);
+  return Plain(pool, x, w, nullptr, Epilogue::kNone, live, y);
 }
 
 ffi::Error ImplPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live,
                       ffi::ResultBuffer<ffi::F32> y) {
-  return Packed(pool, x, wp, layer, nullptr, live, y);
+  return Packed(pool, x, wp, layer, nullptr, Epilogue::kNone, live, y);
 }
 
 // silu(gate) * (x @ w): SwiGLU's up projection with the activation as its epilogue.
 ffi::Error ImplGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                      ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::S32> live,
                      ffi::ResultBuffer<ffi::F32> y) {
-  if (!gate_fits(gate, y)) return ffi::Error::InvalidArgument("akv_cpu_gemm_gated: gate [M, N]");
-  return Plain(pool, x, w, gate.typed_data(), live, y);
+  if (!fits(gate, y)) return ffi::Error::InvalidArgument("akv_cpu_gemm_gated: gate [M, N]");
+  return Plain(pool, x, w, gate.typed_data(), Epilogue::kSiluMul, live, y);
 }
 
-ffi::Error ImplPackedGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::F32> wp, ffi::Buffer<ffi::S32> layer,
-                           ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::S32> live,
-                           ffi::ResultBuffer<ffi::F32> y) {
-  if (!gate_fits(gate, y))
-    return ffi::Error::InvalidArgument("akv_cpu_gemm_packed_gated: gate [M, N]");
-  return Packed(pool, x, wp, layer, gate.typed_data(), live, y);
+// From packed w, with an epilogue (1: silu(e) * (x @ w), SwiGLU's gate; 2: x @ w + e, a
+// residual stream).
+ffi::Error ImplPackedEpilogue(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::F32> wp, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::F32> e, ffi::Buffer<ffi::S32> live,
+                              ffi::ResultBuffer<ffi::F32> y, int64_t epilogue) {
+  if (!fits(e, y)) return ffi::Error::InvalidArgument("akv_cpu_gemm_packed_epilogue: e [M, N]");
+  if (epilogue != int64_t(Epilogue::kSiluMul) && epilogue != int64_t(Epilogue::kAdd))
+    return ffi::Error::InvalidArgument("akv_cpu_gemm_packed_epilogue: epilogue 1 or 2");
+  return Packed(pool, x, wp, layer, e.typed_data(), Epilogue(epilogue), live, y);
 }
 
 }  // namespace
@@ -366,15 +389,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuGemmGated, ImplGated,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuGemmPackedGated, ImplPackedGated,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuGemmPackedEpilogue, ImplPackedEpilogue,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // panels [L, P, K, NR]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate [M, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // e [M, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live rows [1]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("epilogue"));
 
 // The panel width NR the packed layout must have (cpu_matmul.panel_width).
 extern "C" int AkvCpuGemmPanelWidth() { return NR; }

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from akv_jax.pallas import cpu_ffi
 
@@ -34,7 +35,9 @@ TARGET_GEMM_PACKED = "akv_cpu_gemm_packed"  # the same from w packed ahead (pack
 # so, as for the sums, a row's bits do not depend on which kernel ran.
 TARGET_GATED = "akv_cpu_matmul_gated"
 TARGET_GEMM_GATED = "akv_cpu_gemm_gated"
-TARGET_GEMM_PACKED_GATED = "akv_cpu_gemm_packed_gated"
+# From packed panels, with an epilogue: SwiGLU's activation or a residual add.
+TARGET_GEMM_PACKED_EPILOGUE = "akv_cpu_gemm_packed_epilogue"
+EPILOGUE_SILU_MUL, EPILOGUE_ADD = 1, 2  # cpu_gemm.cc's Epilogue
 MAX_ROWS = 16  # the few-row kernel's: decode buckets 8 and 16; prefill rows start at 64
 # Fewest rows for which a model's projections take the GEMM: every prefill bucket (64 rows
 # and up), so a prefill row's bits depend neither on the rows around it nor on the host. XLA's
@@ -99,31 +102,44 @@ def applies_packed(x: jax.Array, panels: jax.Array) -> bool:
 
 
 def matmul_packed(x: jax.Array, panels: jax.Array, layer: jax.Array, n: int,
-                  live: jax.Array | None = None, gate: jax.Array | None = None) -> jax.Array:
+                  live: jax.Array | None = None, gate: jax.Array | None = None,
+                  residual: jax.Array | None = None) -> jax.Array:
     """``x @ w`` [M, n] for ``w`` layer ``layer`` (int32 scalar) of a :func:`pack_panels`
     stack, the same bits as :func:`matmul` of ``w``: on the CPU the GEMM reads the layer's
     panels in the stack (a layer scan slices nothing), elsewhere the matmul of the unpacked
-    layer. ``gate`` [M, n]: ``silu(gate) * (x @ w)``, the same bits as :func:`matmul_gated`
-    (needs :func:`gates`). Rows from ``live`` on are zero. Call it only where
-    :func:`applies_packed`; inference only (no VJP: training takes :func:`matmul`)."""
-    _require(packed=True, gated=gate is not None)
+    layer. Rows from ``live`` on are zero. With ``gate`` [M, n]: ``silu(gate) * (x @ w)``,
+    the bits of :func:`matmul_gated` (needs :func:`gates`); with ``residual`` [M, n]:
+    ``residual + x @ w``, the bits of that add after the product (rows past ``live``:
+    ``residual + 0``). Call it only where :func:`applies_packed`; inference only (no VJP:
+    training takes :func:`matmul`)."""
+    if gate is not None and residual is not None:
+        raise ValueError("matmul_packed: a gate or a residual, not both")
+    e = gate if gate is not None else residual
+    _require(packed=True, gated=e is not None)
     layer1 = jnp.reshape(layer, (1,)).astype(jnp.int32)
     rows = _live_operand(x, live)
     out = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
-    if gate is None:
+    if e is None:
         call = jax.ffi.ffi_call(TARGET_GEMM_PACKED, out, vmap_method="sequential")
 
         def unpacked(x, panels, layer1, rows):
             return _masked_matmul(x, unpack_panels(panels, layer1[0], n), rows)
 
         return jax.lax.platform_dependent(x, panels, layer1, rows, cpu=call, default=unpacked)
-    call = jax.ffi.ffi_call(TARGET_GEMM_PACKED_GATED, out, vmap_method="sequential")
+    kind = EPILOGUE_SILU_MUL if gate is not None else EPILOGUE_ADD
+    call = jax.ffi.ffi_call(TARGET_GEMM_PACKED_EPILOGUE, out, vmap_method="sequential")
 
-    def unpacked_gated(x, panels, layer1, gate, rows):
-        return _masked_gated(x, unpack_panels(panels, layer1[0], n), gate, rows)
+    def cpu(x, panels, layer1, e, rows):
+        return call(x, panels, layer1, e, rows, epilogue=np.int64(kind))
 
-    return jax.lax.platform_dependent(x, panels, layer1, gate, rows, cpu=call,
-                                      default=unpacked_gated)
+    def unpacked_epilogue(x, panels, layer1, e, rows):
+        w = unpack_panels(panels, layer1[0], n)
+        if kind == EPILOGUE_SILU_MUL:
+            return _masked_gated(x, w, e, rows)
+        return e + _masked_matmul(x, w, rows)
+
+    return jax.lax.platform_dependent(x, panels, layer1, e, rows, cpu=cpu,
+                                      default=unpacked_epilogue)
 
 
 def _unsharded() -> bool:
@@ -178,8 +194,8 @@ def gates() -> bool:
     gate) are built and registered."""
     return (packs() and cpu_ffi.register("cpu_matmul.cc", TARGET_GATED, "AkvCpuMatmulGated")
             and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_GATED, "AkvCpuGemmGated")
-            and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_PACKED_GATED,
-                                 "AkvCpuGemmPackedGated"))
+            and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_PACKED_EPILOGUE,
+                                 "AkvCpuGemmPackedEpilogue"))
 
 
 def _live_operand(x: jax.Array, live: jax.Array | None) -> jax.Array:
