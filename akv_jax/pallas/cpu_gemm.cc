@@ -199,8 +199,11 @@ struct Gemm {
           const int r = static_cast<int>(std::min<int64_t>(MR, rows - i * MR));
           float* c = y + (m0 + i * MR) * N + p * NR;
           const float* pf = i == 0 ? next : nullptr;
-          if (e && k0 + kcur == K)  // the epilogue's rows of e, a micro-panel ahead (they
-            for (int64_t j = i == 0 ? 0 : 1; j < 2; ++j)  // come from memory: +15% unfetched)
+          // The epilogue's rows of e, a micro-panel ahead: they come from memory (SmolLM2's
+          // gated 2,048 x 576 -> 1,536 product 13.4 ms unfetched, 11.9-12.5 fetched, 11.2-11.6
+          // ungated).
+          if (e && k0 + kcur == K)
+            for (int64_t j = i == 0 ? 0 : 1; j < 2; ++j)
               prefetch_e(m0 + (i + j) * MR, std::min<int64_t>(MR, rows - (i + j) * MR), p * NR,
                          cols);
           if (r == MR)
@@ -322,14 +325,11 @@ ffi::Error Packed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
 
 // The epilogue's operand must be y's shape.
 bool fits(ffi::Buffer<ffi::F32>& e, ffi::ResultBuffer<ffi::F32>& y) {
-  const auto gd = e.dimensions();
+  const auto ed = e.dimensions();
   const auto yd = y->dimensions();
-  return gd.size() == 2 && yd.size() == 2 && gd[0] == yd[0] && gd[1] == yd[1];
+  return ed.size() == 2 && yd.size() == 2 && ed[0] == yd[0] && ed[1] == yd[1];
 }
 
-// `live` [1]: rows of x past it are a step's padding (no query block reads them; the engine
-// pads a prefill to its next bucket): y is zero there and they cost nothing. A 2,000-token
-// prompt runs 2,048 rows, an agent turn's ~330 new tokens 384.
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                 ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   return Plain(pool, x, w, nullptr, Epilogue::kNone, live, y);

@@ -12,6 +12,10 @@ fused multiply-adds per slice of at most 256 ``k``, slices added in order: more 
 one chain over all of ``k``, and than XLA's slices of 512), so a row's result is the same
 bits whichever kernel ran, however many rows the call had and whatever the host's caches.
 
+:func:`matmul_gated` and :func:`matmul_packed`'s ``gate`` and ``residual`` finish a product
+in its kernel: SwiGLU's activation, a residual add (epilogues applied to each block of the
+output as it is computed, where XLA made passes over the whole output of their own).
+
 :func:`matmul` is used by :func:`akv_jax.model.forward.project` and ``lm_logits`` on the CPU
 only (``jax.lax.platform_dependent``: a GPU or TPU lowering, deviceless ones included, keeps
 the matmul), float32, outside a tensor-parallel mesh.
