@@ -187,7 +187,7 @@ def project(eq: str, x: jax.Array, w, live: jax.Array | None = None,
     if residual is not None and isinstance(w, PackedRef):
         x2 = x.reshape(x.shape[0], -1)
         if (cpu_matmul.applies_packed(x2, w.panels) and residual.dtype == x2.dtype
-                and cpu_matmul.gates()):
+                and cpu_matmul.epilogues()):
             r2 = residual.reshape(x.shape[0], -1)
             y = cpu_matmul.matmul_packed(x2, w.panels, w.layer, r2.shape[1], live,
                                          residual=r2)
@@ -238,7 +238,7 @@ def project_gated(x: jax.Array, w, gate: jax.Array, live: jax.Array | None = Non
     the same bits from every kernel and from packed weights); elsewhere
     ``jax.nn.silu(gate) * project(...)``. Rows from ``live`` on are zero on every path."""
     if isinstance(w, PackedRef):
-        if cpu_matmul.applies_packed(x, w.panels) and cpu_matmul.gates():
+        if cpu_matmul.applies_packed(x, w.panels) and cpu_matmul.epilogues():
             return cpu_matmul.matmul_packed(x, w.panels, w.layer, gate.shape[1], live, gate)
         w = cpu_matmul.unpack_panels(w.panels, w.layer, gate.shape[1]).reshape(w.shape)
     if isinstance(w, jax.Array) and cpu_matmul.applies_gated(x, w):

@@ -112,14 +112,14 @@ def matmul_packed(x: jax.Array, panels: jax.Array, layer: jax.Array, n: int,
     stack, the same bits as :func:`matmul` of ``w``: on the CPU the GEMM reads the layer's
     panels in the stack (a layer scan slices nothing), elsewhere the matmul of the unpacked
     layer. Rows from ``live`` on are zero. With ``gate`` [M, n]: ``silu(gate) * (x @ w)``,
-    the bits of :func:`matmul_gated` (needs :func:`gates`); with ``residual`` [M, n]:
+    the bits of :func:`matmul_gated` (needs :func:`epilogues`); with ``residual`` [M, n]:
     ``residual + x @ w``, the bits of that add after the product (rows past ``live``:
     ``residual + 0``). Call it only where :func:`applies_packed`; inference only (no VJP:
     training takes :func:`matmul`)."""
     if gate is not None and residual is not None:
         raise ValueError("matmul_packed: a gate or a residual, not both")
     e = gate if gate is not None else residual
-    _require(packed=True, gated=e is not None)
+    _require(packed=True, epilogue=e is not None)
     layer1 = jnp.reshape(layer, (1,)).astype(jnp.int32)
     rows = _live_operand(x, live)
     out = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
@@ -176,8 +176,8 @@ def applies_nt(x: jax.Array, w_nt: jax.Array) -> bool:
     return _takes_kernel(x, w_nt, gemm=False)
 
 
-def _require(packed: bool = False, gated: bool = False) -> None:
-    if not (gates() if gated else packs() if packed else available()):
+def _require(packed: bool = False, epilogue: bool = False) -> None:
+    if not (epilogues() if epilogue else packs() if packed else available()):
         raise RuntimeError("the CPU matmul kernels are not available (see their warning)")
 
 
@@ -193,9 +193,9 @@ def matmul(x: jax.Array, w: jax.Array, live: jax.Array | None = None) -> jax.Arr
     return zero_past(y, live) if x.shape[0] <= MAX_ROWS else y
 
 
-def gates() -> bool:
-    """Whether the gated products (:func:`matmul_gated`, :func:`matmul_packed` with a
-    gate) are built and registered."""
+def epilogues() -> bool:
+    """Whether the products that finish their output in the kernel (:func:`matmul_gated`;
+    :func:`matmul_packed` with a gate or a residual) are built and registered."""
     return (packs() and cpu_ffi.register("cpu_matmul.cc", TARGET_GATED, "AkvCpuMatmulGated")
             and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_GATED, "AkvCpuGemmGated")
             and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_PACKED_EPILOGUE,
@@ -252,7 +252,7 @@ _matmul.defvjp(_fwd, _bwd)
 def applies_gated(x: jax.Array, w: jax.Array) -> bool:
     """Whether ``silu(gate) * (x @ w)`` takes a kernel (:func:`matmul_gated`): as
     :func:`applies`, and the gated kernels built."""
-    return applies(x, w) and gates()
+    return applies(x, w) and epilogues()
 
 
 def matmul_gated(x: jax.Array, w: jax.Array, gate: jax.Array,
@@ -275,7 +275,7 @@ def _masked_gated(x: jax.Array, w: jax.Array, gate: jax.Array, live: jax.Array) 
 
 @jax.custom_vjp
 def _matmul_gated(x: jax.Array, w: jax.Array, gate: jax.Array, live: jax.Array) -> jax.Array:
-    _require(gated=True)
+    _require(epilogue=True)
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
     if x.shape[0] <= MAX_ROWS:
         call = jax.ffi.ffi_call(TARGET_GATED, out, vmap_method="sequential")
