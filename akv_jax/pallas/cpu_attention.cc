@@ -70,28 +70,8 @@ using akv::hmax;
 using akv::hsum;
 using akv::splati;
 using akv::vi;
+using akv::vexp;
 using akv::viload;
-
-// exp(x) for x <= 0 (scores minus their running maximum), Cephes' expf: x = n ln2 + r,
-// |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built in the exponent bits. Below
-// -87 it returns ~e^-87 (callers zero the masked lanes themselves).
-inline vf vexp(vf x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  vf n = (x * splat(1.44269504088896341f) + magic) - magic;
-  vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  vf y = splat(1.9875691500e-4f);
-  y = y * r + splat(1.3981999507e-3f);
-  y = y * r + splat(8.3334519073e-3f);
-  y = y * r + splat(4.1665795894e-2f);
-  y = y * r + splat(1.6666665459e-1f);
-  y = y * r + splat(5.0000001201e-1f);
-  y = y * r * r + r + splat(1.0f);
-  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf pow2;
-  std::memcpy(&pow2, &e, sizeof pow2);
-  return y * pow2;
-}
 
 struct Problem {
   const float* q;        // [T, Hq, Dh]

@@ -1,6 +1,6 @@
 // What the XLA:CPU kernels (cpu_*.cc) share besides their work sharing (cpu_pool.h): the
-// vector type and its loads, the order in which the matmul kernels sum, and their gated
-// products' epilogue.
+// vector type and its loads, the order in which the matmul kernels sum, the exponential, and
+// the gated products' epilogue.
 
 #pragma once
 
@@ -85,19 +85,15 @@ inline int64_t k_slice(int64_t K) {
   return (K + slices - 1) / slices;
 }
 
-// SwiGLU's activation times the up projection, silu(g) * u = g / (1 + e^-g) * u, lane by
-// lane: the epilogue of the gated products in cpu_matmul.cc and cpu_gemm.cc, which share it
-// so that an MLP row's bits do not depend on which kernel ran (as their sums do not). e^x
-// is Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built
-// in the exponent bits) on x clamped to [-87, 88], where 2^n stays a normal float: past
-// them silu(g) is g (g > 87, e^-g < 1.7e-38 beside 1) or 0 (g < -88: |silu(g)| < 1e-36).
-inline vf vsilu_mul(vf g, vf u) {
-  vf x = -g;
+// e^x, Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built
+// in the exponent bits, for x <= 88 (callers clamp above: past it 2^n is not a float). Below
+// -87 it returns ~e^-87 (where 2^n would leave the normal floats): the attention's softmax
+// (scores minus their running maximum, <= 0) zeroes its masked lanes itself.
+inline vf vexp(vf x) {
   x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
   const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (x * splat(1.44269504088896341f) + magic) - magic;
-  const vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+  vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
   vf y = splat(1.9875691500e-4f);
   y = y * r + splat(1.3981999507e-3f);
   y = y * r + splat(8.3334519073e-3f);
@@ -105,10 +101,21 @@ inline vf vsilu_mul(vf g, vf u) {
   y = y * r + splat(1.6666665459e-1f);
   y = y * r + splat(5.0000001201e-1f);
   y = y * r * r + r + splat(1.0f);
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
   vf pow2;
   std::memcpy(&pow2, &e, sizeof pow2);
-  return g / (splat(1.0f) + y * pow2) * u;
+  return y * pow2;
+}
+
+// SwiGLU's activation times the up projection, silu(g) * u = g / (1 + e^-g) * u, lane by
+// lane: the epilogue of the gated products in cpu_matmul.cc and cpu_gemm.cc, which share it
+// so that an MLP row's bits do not depend on which kernel ran (as their sums do not). e^-g
+// on -g clamped to [-87, 88] (vexp's range): past it silu(g) is g (g > 87, e^-g < 1.7e-38
+// beside 1) or 0 (g < -88: |silu(g)| < 1e-36).
+inline vf vsilu_mul(vf g, vf u) {
+  vf x = -g;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  return g / (splat(1.0f) + vexp(x)) * u;
 }
 
 // y[i] = silu(g[i]) * y[i] for i < n, every element through vsilu_mul (a last part vector
