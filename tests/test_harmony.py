@@ -1,109 +1,46 @@
 """GPT-OSS chat: the harmony format through ChatTokenizer's per-message segments.
 
 The vocabulary is o200k_harmony as bundled by ``quicktok-v1`` (read from its data files and
-rebuilt as a ``tokenizers`` BPE by :func:`akv_jax.model.byte_bpe.tiktoken_tokenizer`); the
-chat template is akv_jax's harmony template (:mod:`akv_jax.model.harmony_template`, the one
-``tiny-gpt-oss`` chats with over its byte vocabulary, tested here too); the oracle for the
-token ids is ``openai-harmony``, the format's reference renderer, run offline on the same
-vocabulary (written as the ``o200k_base.tiktoken`` file it would download; its
-SHA-256 is the published one). Both packages are dev dependencies: without them these tests
-fail at import, they are not skipped.
+rebuilt as a ``tokenizers`` BPE: :mod:`akv_jax.model.vocabularies`); the chat template is
+akv_jax's harmony template (:mod:`akv_jax.model.harmony_template`, the one ``tiny-gpt-oss``
+chats with over its byte vocabulary and ``tiny-gpt-oss-bpe`` over o200k_harmony, tested here
+too); the oracle for the token ids is ``openai-harmony``, the format's reference renderer, run
+offline on the same vocabulary (:func:`akv_jax.model.vocabularies.harmony_encoding`: the
+``o200k_base.tiktoken`` file it would download, written from quicktok's ranks, its SHA-256
+the published one). Both packages are dev dependencies: without them these tests fail at
+import, they are not skipped.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
-import struct
-from pathlib import Path
+import random
 
+import openai_harmony
 import pytest
 import quicktok
 
-from akv_jax.model.byte_bpe import O200K_SPLIT, tiktoken_tokenizer
+from akv_jax.model import vocabularies
 from akv_jax.model.harmony_template import HARMONY_SPECIALS, HARMONY_TEMPLATE
 from akv_jax.model.tokenizer import ChatTokenizer, TokenizerError
 from converters.loading import load_model
 
-TEMPLATE = HARMONY_TEMPLATE
-# The SHA-256 of openaipublic's o200k_base.tiktoken (the file openai-harmony downloads).
-O200K_BASE_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
-
-
-def read_quicktok_encoding(name: str, vocab: str) -> tuple[dict[bytes, int], dict[str, int]]:
-    """quicktok's bundled data files: ``<vocab>.vocab`` (u32 count, then per token u16 length,
-    bytes, u32 rank) and ``<name>.special`` (u32 count, then per token u32 id, u16 length,
-    UTF-8 name). A special id listed under a reserved name and a real one keeps the real one."""
-    data = Path(quicktok.__file__).parent / "data"
-    raw = (data / f"{vocab}.vocab").read_bytes()
-    (n,), off, ranks = struct.unpack_from("<I", raw), 4, {}
-    for _ in range(n):
-        (length,) = struct.unpack_from("<H", raw, off)
-        token = raw[off + 2 : off + 2 + length]
-        (ranks[token],) = struct.unpack_from("<I", raw, off + 2 + length)
-        off += 6 + length
-    assert off == len(raw)
-    raw = (data / f"{name}.special").read_bytes()
-    (n,), off, specials = struct.unpack_from("<I", raw), 4, []
-    for _ in range(n):
-        tid, length = struct.unpack_from("<IH", raw, off)
-        specials.append((raw[off + 6 : off + 6 + length].decode(), tid))
-        off += 6 + length
-    assert off == len(raw)
-    specials.sort(key=lambda s: s[0].startswith("<|reserved_"))
-    return ranks, dict(specials)
-
 
 @pytest.fixture(scope="module")
 def o200k_harmony():
-    return read_quicktok_encoding("o200k_harmony", "o200k")
+    return vocabularies.o200k_harmony()
 
 
 @pytest.fixture(scope="module")
-def tok(o200k_harmony):
-    """GPT-OSS's tokenizer (special tokens as in its tokenizer_config.json and
-    generation_config.json: EOS <|return|>, also <|call|> and <|endoftext|>)."""
-    ranks, specials = o200k_harmony
-    special = {
-        "bos_token": "<|startoftext|>",
-        "eos_token": "<|return|>",
-        "pad_token": "<|endoftext|>",
-    }
-    return ChatTokenizer(
-        tiktoken_tokenizer(ranks, specials, O200K_SPLIT),
-        TEMPLATE,
-        special,
-        extra_eos_ids=[specials["<|call|>"], specials["<|endoftext|>"]],
-    )
+def tok():
+    """GPT-OSS's tokenizer (``tiny-gpt-oss-bpe``'s): o200k_harmony with the harmony template."""
+    return ChatTokenizer.o200k_harmony()
 
 
 @pytest.fixture(scope="module")
-def harmony(o200k_harmony, tmp_path_factory):
-    """openai-harmony's GPT-OSS encoding, loaded offline from the quicktok vocabulary."""
-
-    ranks, _ = o200k_harmony
-    d = tmp_path_factory.mktemp("tiktoken")
-    text = "".join(
-        f"{base64.b64encode(t).decode()} {r}\n"
-        for t, r in sorted(ranks.items(), key=lambda x: x[1])
-    )
-    assert hashlib.sha256(text.encode()).hexdigest() == O200K_BASE_SHA256
-    (d / "o200k_base.tiktoken").write_text(text)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TIKTOKEN_ENCODINGS_BASE", str(d))
-    mp.setenv("TIKTOKEN_RS_CACHE_DIR", str(d / "cache"))
-    try:
-        import openai_harmony
-
-        yield (
-            openai_harmony,
-            openai_harmony.load_harmony_encoding(
-                openai_harmony.HarmonyEncodingName.HARMONY_GPT_OSS
-            ),
-        )
-    finally:
-        mp.undo()
+def harmony():
+    """openai-harmony and its GPT-OSS encoding, loaded offline from the quicktok vocabulary."""
+    return openai_harmony, vocabularies.harmony_encoding()
 
 
 def weather_call(city):
@@ -260,8 +197,16 @@ def test_reasoning_effort_and_template_kwargs_change_the_system_segment(tok):
     assert segs[1:] == base[1:]
 
 
-def to_harmony(h, messages, reasoning_effort="medium", date=None):
-    """The same conversation as openai-harmony messages."""
+def harmony_groups(h, messages, reasoning_effort="medium", date=None, tools=None):
+    """The same conversation as openai-harmony messages, one group per OpenAI message (the
+    system message and the developer message of instructions and tools in the first group).
+
+    The mapping, as vLLM and the GPT-OSS template do it: the first message, when it is a system
+    or developer message, gives the developer instructions, joined by the tools; an assistant
+    message becomes its reasoning (analysis), then its text (a commentary preamble when it
+    calls tools, else the final answer) and its calls (commentary, to=functions.NAME, JSON
+    arguments: a string as given, a mapping as json.dumps writes it); a tool message comes from
+    functions.NAME, NAME its own, else its call's by tool_call_id, else by position."""
     effort = {
         "low": h.ReasoningEffort.LOW,
         "medium": h.ReasoningEffort.MEDIUM,
@@ -270,47 +215,79 @@ def to_harmony(h, messages, reasoning_effort="medium", date=None):
     system = h.SystemContent.new().with_reasoning_effort(effort)
     if date is not None:
         system = system.with_conversation_start_date(date)
-    out = [h.Message.from_role_and_content(h.Role.SYSTEM, system)]
-    for m in messages:
-        if m["role"] == "developer":
-            out.append(
+    head = [h.Message.from_role_and_content(h.Role.SYSTEM, system)]
+    dev = h.DeveloperContent.new()
+    rest = list(messages)
+    if rest and rest[0]["role"] in ("system", "developer"):
+        dev = dev.with_instructions(rest.pop(0)["content"])
+    if tools:
+        dev = dev.with_function_tools([
+            h.ToolDescription.new(
+                t["function"]["name"],
+                t["function"].get("description") or "",
+                t["function"].get("parameters"),
+            )
+            for t in tools
+        ])
+    if dev.instructions is not None or tools:
+        head.append(h.Message.from_role_and_content(h.Role.DEVELOPER, dev))
+    groups = [[]] if len(rest) < len(messages) else []  # the first message made the head
+    calls, k = [], 0
+    for m in rest:
+        group = []
+        if m["role"] in ("system", "developer"):
+            group.append(
                 h.Message.from_role_and_content(
                     h.Role.DEVELOPER, h.DeveloperContent.new().with_instructions(m["content"])
                 )
             )
         elif m["role"] == "user":
-            out.append(h.Message.from_role_and_content(h.Role.USER, m["content"]))
+            group.append(h.Message.from_role_and_content(h.Role.USER, m["content"]))
         elif m["role"] == "assistant":
             thinking = m.get("thinking") or m.get("reasoning_content")
             if thinking:
-                out.append(
-                    h.Message.from_role_and_content(h.Role.ASSISTANT, thinking).with_channel(
-                        "analysis"
-                    )
-                )
-            for call in m.get("tool_calls", []):
+                msg = h.Message.from_role_and_content(h.Role.ASSISTANT, thinking)
+                group.append(msg.with_channel("analysis"))
+            if m.get("tool_calls"):
+                calls, k = m["tool_calls"], 0
+                if m["content"]:
+                    msg = h.Message.from_role_and_content(h.Role.ASSISTANT, m["content"])
+                    group.append(msg.with_channel("commentary"))
+            for call in m.get("tool_calls") or []:
                 f = call["function"]
-                out.append(
-                    h.Message.from_role_and_content(h.Role.ASSISTANT, json.dumps(f["arguments"]))
-                    .with_channel("commentary")
+                args = f["arguments"]
+                msg = h.Message.from_role_and_content(
+                    h.Role.ASSISTANT, args if isinstance(args, str) else json.dumps(args)
+                )
+                group.append(
+                    msg.with_channel("commentary")
                     .with_recipient(f"functions.{f['name']}")
                     .with_content_type("<|constrain|>json")
                 )
-            if m["content"]:
-                out.append(
-                    h.Message.from_role_and_content(h.Role.ASSISTANT, m["content"]).with_channel(
-                        "final"
-                    )
-                )
+            if m["content"] and not m.get("tool_calls"):
+                msg = h.Message.from_role_and_content(h.Role.ASSISTANT, m["content"])
+                group.append(msg.with_channel("final"))
         elif m["role"] == "tool":
-            out.append(
-                h.Message.from_author_and_content(
-                    h.Author.new(h.Role.TOOL, "functions.get_weather"), m["content"]
-                )
+            by_id = [c for c in calls if "tool_call_id" in m and c.get("id") == m["tool_call_id"]]
+            name = m.get("name") or (by_id or [calls[min(k, len(calls) - 1)]])[0]["function"][
+                "name"
+            ]
+            k += 1
+            group.append(
+                h.Message.from_author_and_content(h.Author.new(h.Role.TOOL, f"functions.{name}"),
+                                                  m["content"])
                 .with_channel("commentary")
                 .with_recipient("assistant")
             )
-    return h.Conversation.from_messages(out)
+        groups.append(group)
+    groups[0] = head + groups[0]
+    return groups
+
+
+def to_harmony(h, messages, reasoning_effort="medium", date=None, tools=None):
+    """The same conversation as an openai-harmony Conversation (see :func:`harmony_groups`)."""
+    groups = harmony_groups(h, messages, reasoning_effort, date, tools)
+    return h.Conversation.from_messages([m for g in groups for m in g])
 
 
 @pytest.mark.parametrize("n", range(2, len(AGENT) + 1))
@@ -386,3 +363,209 @@ def test_a_message_that_cannot_be_found_is_refused(tok):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     with pytest.raises(TokenizerError, match="message 0 .'user'. is rendered differently"):
         t.encode_messages(msgs)
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def call(name, args, call_id=None):
+    out = {"type": "function", "function": {"name": name, "arguments": args}}
+    return out if call_id is None else {"id": call_id, **out}
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.\nMetric units.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name"},
+                    "unit": {"type": "string", "enum": ["celsius", "kelvin"], "default": "celsius"},
+                    "days": {"type": "integer", "default": 1},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time.",
+            "parameters": {"type": "object", "properties": {"tz": {"type": ["string", "null"]}}},
+        },
+    },
+    {"type": "function", "function": {"name": "ping"}},
+]
+
+# An agent conversation with tools: reasoning, a preamble and two calls (arguments as a JSON
+# string and as a mapping), their results answered out of order (names by tool_call_id), a
+# final answer, a second question, a call with no id and its result (name by position), and a
+# result naming its tool.
+TOOL_AGENT = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "Weather and time in Paris?"},
+    {
+        "role": "assistant",
+        "content": "Let me check.",
+        "reasoning_content": "Two tools.",
+        "tool_calls": [
+            call("get_weather", '{"city":"Paris"}', "c1"),
+            call("get_time", {"tz": "Europe/Paris"}, "c2"),
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c2", "content": "10:00"},
+    {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'},
+    {"role": "assistant", "content": "21 °C at 10:00.", "reasoning_content": "Done."},
+    {"role": "user", "content": "Ping?"},
+    {"role": "assistant", "content": None, "tool_calls": [call("ping", "{}")]},
+    {"role": "tool", "content": "pong"},
+    {"role": "tool", "name": "get_time", "content": "10:01"},
+]
+
+
+def harmony_segments(h, enc, groups, has_tools):
+    """openai-harmony's rendering of each group (render_conversation_for_completion's
+    analysis drop applied: while the last assistant message is a final answer, the analysis
+    before the first final answer goes), the generation prompt as a last segment."""
+    options = h.RenderOptions(conversation_has_function_tools=has_tools)
+    flat = [(i, m) for i, g in enumerate(groups) for m in g]
+    assistant = [m for _, m in flat if m.author.role == h.Role.ASSISTANT]
+    drop = bool(assistant) and assistant[-1].channel == "final"
+    first_final = next((j for j, (_, m) in enumerate(flat) if m.channel == "final"), len(flat))
+    segments = [[] for _ in groups]
+    for j, (i, m) in enumerate(flat):
+        if not (drop and j < first_final and m.channel == "analysis"):
+            segments[i] += enc.render(m, options)
+    return [*segments, enc.encode("<|start|>assistant", allowed_special="all")]
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6, 7, 8, 9, len(TOOL_AGENT)])
+def test_tool_conversation_segments_are_openai_harmony_messages(tok, harmony, n):
+    """With tools declared, every prefix of the tool conversation: each segment is exactly
+    openai-harmony's rendering of that message's harmony messages (the first segment also the
+    system and developer messages), and they concatenate to render_conversation_for_completion."""
+    h, enc = harmony
+    groups = harmony_groups(h, TOOL_AGENT[:n], "high", "2026-12-01", TOOLS)
+    expect = harmony_segments(h, enc, groups, has_tools=True)
+    conv = h.Conversation.from_messages([m for g in groups for m in g])
+    assert [t for s in expect for t in s] == list(
+        enc.render_conversation_for_completion(conv, h.Role.ASSISTANT)
+    )
+    segs = tok.encode_messages(
+        TOOL_AGENT[:n], add_generation_prompt=True, tools=TOOLS, reasoning_effort="high",
+        conversation_start_date="2026-12-01",
+    )
+    assert segs == expect
+
+
+def test_tool_sections_render_as_openai_harmony(tok, harmony):
+    """The tools section, with and without instructions: the text openai-harmony writes."""
+    h, enc = harmony
+    for msgs in ([{"role": "user", "content": "hi"}], TOOL_AGENT[:2]):
+        expect = enc.render_conversation_for_completion(
+            to_harmony(h, msgs, tools=TOOLS), h.Role.ASSISTANT
+        )
+        assert tok.apply_chat_template(msgs, True, tools=TOOLS) == list(expect)
+    dev = tok.render(TOOL_AGENT[:2], tools=TOOLS).split("<|start|>developer<|message|>")[1]
+    assert dev.startswith(
+        "# Instructions\n\nAnswer briefly.\n\n# Tools\n\n## functions\n\nnamespace functions {"
+        "\n\n// Current weather in a city.\n// Metric units.\ntype get_weather = (_: {\n"
+        "// City name\ncity: string,\n"
+    )
+
+
+def test_tool_messages_need_a_name(tok):
+    """A tool result with no name and no call before it has no sender: refused."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]
+    with pytest.raises(TokenizerError, match="no name and no tool call"):
+        tok.render(msgs)
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema drawing on every construct harmony's TypeScript conversion reads."""
+    words = ["a", "b c", 'q"uote', "ünï", "x_1"]
+    s: dict = {}
+    kind = rng.choice(
+        ["string", "enum", "number", "integer", "boolean", "array", "list", "null", "untyped"]
+        + (["object"] * 4 + ["oneOf"] * 2 if depth < 3 else [])
+    )
+    if kind == "enum":
+        s = {"type": "string", "enum": rng.sample(words, rng.randint(1, 3))}
+    elif kind == "array":
+        s = {"type": "array"}
+        if rng.random() < 0.7:
+            s["items"] = random_schema(rng, depth + 1)
+    elif kind == "list":
+        s = {"type": rng.sample(["string", "integer", "null", "boolean"], rng.randint(1, 3))}
+    elif kind == "untyped":
+        s = {}
+    elif kind == "object":
+        props = {f"p{i}": random_schema(rng, depth + 1) for i in range(rng.randint(0, 4))}
+        s = {"type": "object", "properties": props}
+        if props and rng.random() < 0.7:
+            s["required"] = rng.sample(sorted(props), rng.randint(1, len(props)))
+    elif kind == "oneOf":
+        s = {"oneOf": [random_schema(rng, depth + 1) for _ in range(rng.randint(1, 3))]}
+        if rng.random() < 0.4:
+            s["description"] = "same"
+            s["oneOf"][0]["description"] = rng.choice(["same", "other"])
+    else:
+        s = {"type": kind}
+    if rng.random() < 0.3:
+        s["description"] = rng.choice(words)
+    if rng.random() < 0.2:
+        s["title"] = rng.choice(words)
+    if rng.random() < 0.2:
+        s["examples"] = [rng.choice(words), 3, rng.choice(words)]
+    if rng.random() < 0.2:
+        s["nullable"] = rng.choice([True, False])
+    if rng.random() < 0.3:
+        s["default"] = rng.choice([rng.choice(words), 2, 2.5, True, None, [1, "x"], {"k": [1]}])
+    return s
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_tool_schemas_render_as_openai_harmony(tok, harmony, seed):
+    """Random parameter schemas (nested objects, enums, type lists, oneOf at the top and in
+    properties, titles, examples, defaults of every JSON type, nullable): ids equal."""
+    h, enc = harmony
+    rng = random.Random(seed)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"f{i}",
+                "description": rng.choice(["", "one line", "two\nlines\n"]),
+                "parameters": random_schema(rng),
+            },
+        }
+        for i in range(4)
+    ]
+    msgs = [{"role": "user", "content": "go"}]
+    expect = enc.render_conversation_for_completion(
+        to_harmony(h, msgs, tools=tools), h.Role.ASSISTANT
+    )
+    assert tok.apply_chat_template(msgs, True, tools=tools) == list(expect)
+
+
+def test_tiny_gpt_oss_bpe_is_tiny_gpt_oss_over_o200k_harmony(o200k_harmony):
+    """``tiny-gpt-oss-bpe``: the tiny GPT-OSS with the released vocabulary's 201,088 ids, its
+    EOS ids as GPT-OSS's generation_config.json, o200k_harmony's tokenization (quicktok's ids)
+    and the harmony template."""
+    m = load_model("tiny-gpt-oss-bpe")
+    small = load_model("tiny-gpt-oss").cfg
+    assert m.cfg.arch == "gpt_oss" and m.cfg.vocab_size == 201088
+    assert m.cfg.layer_types == small.layer_types and m.cfg.hidden_size == small.hidden_size
+    assert m.params.embed.shape == (201088, small.hidden_size)
+    t = m.tokenizer
+    assert t.vocab_size == 201088 and t.chat_template == HARMONY_TEMPLATE
+    assert set(m.stop_ids) == {200002, 200012, 199999} == set(t.eos_ids)
+    text = "<|start|>user<|message|>Zürich — 東京? x=1<|end|><|start|>assistant"
+    assert t.encode(text) == list(
+        quicktok.get_encoding("o200k_harmony").encode(text, allowed_special="all")
+    )
+    assert t.token_to_id("<|return|>") == o200k_harmony[1]["<|return|>"]

@@ -156,11 +156,14 @@ def test_chat_parse():
                 {"role": "system", "content": [{"type": "text", "text": "be "},
                                                {"type": "text", "text": "brief"}]},
                 {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c", "type": "function",
+                     "function": {"name": "f", "arguments": '{"x": 1}'}}]},
             ],
             max_tokens=5, max_completion_tokens=7, temperature=0, seed=3, stop="END",
             stream=True, stream_options={"include_usage": True}, logprobs=True,
-            cache={"drop": {"1": [0]}}, n=1, presence_penalty=0, tools=[{"type": "function"}],
+            cache={"drop": {"1": [0]}}, n=1, presence_penalty=0,
+            tools=[{"type": "function", "function": {"name": "f"}}],
             user="ignored-openai-field",
         ),
         LIMITS, VOCAB,
@@ -172,7 +175,8 @@ def test_chat_parse():
     assert inp.stop == ("END",)
     assert (inp.stream, inp.include_usage, inp.logprobs) == (True, True, True)
     assert inp.cache == {"drop": {"1": [0]}}
-    assert inp.template_kwargs == {"tools": [{"type": "function"}]}
+    assert inp.template_kwargs == {"tools": [{"type": "function", "function": {"name": "f"}}]}
+    assert (inp.tool_choice, inp.parallel_tool_calls) == ("auto", True)
     assert protocol.chat_history(inp.cache, 3, 4) == OpHistory(4, {1: (0,)}, ())
 
 
@@ -207,8 +211,35 @@ def test_chat_parse():
         (chat_body(top_logprobs=3), "top_logprobs", "only top_logprobs=0"),
         (chat_body(presence_penalty=0.5), "presence_penalty", "not supported"),
         (chat_body(logit_bias={"1": 5}), "logit_bias", "not supported"),
-        (chat_body(response_format={"type": "json_object"}), "response_format",
-         "only {'type': 'text'}"),
+        (chat_body(response_format={"type": "xml"}), "response_format.type",
+         "'text', 'json_object' or 'json_schema'"),
+        (chat_body(response_format={"type": "json_schema"}), "response_format",
+         "json_schema is required"),
+        (chat_body(response_format={"type": "json_schema", "json_schema": {
+            "name": "a b"}}), "response_format.json_schema.name", "should match pattern"),
+        (chat_body(response_format={"type": "json_schema", "json_schema": {
+            "name": "n", "schema": [1]}}), "response_format.json_schema.schema",
+         "a JSON schema must be an object"),
+        (chat_body(tools=[{"type": "function", "function": {"name": "f"}}],
+                   tool_choice={"type": "function", "function": {"name": "g"}}),
+         "tool_choice.function.name", "'g' is not one of the declared tools"),
+        (chat_body(tool_choice="required"), "tool_choice", "needs tools"),
+        (chat_body(tool_choice="sometimes"), "tool_choice",
+         "expected 'none', 'auto', 'required' or {'type': 'function'"),
+        (chat_body(tool_choice={"type": "function", "name": "f"}), "tool_choice",
+         "got {'name': 'f', 'type': 'function'}"),
+        (chat_body(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools",
+         "declared twice"),
+        (chat_body(tools=[{"type": "function", "function": {"name": "f g"}}]),
+         "tools[0].function.name", "should match pattern"),
+        (chat_body(tools=[{"type": "code_interpreter"}]), "tools[0].type",
+         "Input should be 'function'"),
+        (chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": 3}}]),
+         "tools[0].function.parameters", "a JSON schema must be an object"),
+        (chat_body(messages=[{"role": "assistant", "tool_calls": [{"id": "c"}]}]),
+         "messages[0].tool_calls[0].function", "Field required"),
+        (chat_body(cache={"removed_reasoning": "sometimes"}), "cache.removed_reasoning",
+         "expected one of 'as_sent', 'drop'"),
         (chat_body(tools=["x"]), "tools[0]", "should be an object, got 'x'"),
         (chat_body(reasoning_effort="max"), "reasoning_effort", "'low', 'medium' or 'high'"),
         (chat_body(chat_template_kwargs=[1]), "chat_template_kwargs",
@@ -229,11 +260,13 @@ def test_chat_template_variables_pass_through():
     reasoning_effort beside them (those win: they are the request's named fields)."""
     inp = protocol.parse_chat(
         chat_body(chat_template_kwargs={"enable_thinking": False, "reasoning_effort": "low"},
-                  reasoning_effort="high", tools=[{"type": "function"}]),
+                  reasoning_effort="high", tools=[{"type": "function", "function": {
+                      "name": "f", "parameters": {"type": "object"}}}]),
         LIMITS, VOCAB,
     )
     assert inp.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high",
-                                   "tools": [{"type": "function"}]}
+                                   "tools": [{"type": "function", "function": {
+                                       "name": "f", "parameters": {"type": "object"}}}]}
     assert protocol.parse_chat(chat_body(), LIMITS, VOCAB).template_kwargs == {}
 
 

@@ -19,7 +19,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
+QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -29,8 +29,8 @@ GGUF_PRE_TOKENIZER_SPLITS = {
     "llama-bpe": _LLAMA3_SPLIT,
     "smaug-bpe": _LLAMA3_SPLIT,
     "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "qwen2": QWEN2_SPLIT,
+    "deepseek-r1-qwen": QWEN2_SPLIT,
 }
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types

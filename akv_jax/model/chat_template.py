@@ -1,6 +1,8 @@
 """Chat templates compiled and rendered the way transformers does it (jinja2 sandbox,
 ``trim_blocks``/``lstrip_blocks``, its ``tojson``, ``raise_exception``, ``strftime_now`` and
-``{% generation %}`` tag, reasoning under every name templates read it by).
+``{% generation %}`` tag, reasoning under every name templates read it by), and the chat
+formats of the tiny random models (the released Qwen3 and MiniMax-M2 templates are in
+:mod:`akv_jax.model.released_templates`).
 
 Errors are jinja2's own (:class:`jinja2.TemplateError`); :class:`~akv_jax.model.tokenizer.
 ChatTokenizer` turns them into its ``TokenizerError``.
@@ -18,7 +20,19 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from akv_jax.model.released_templates import MINIMAX_M2_TEMPLATE
+
 Message = dict[str, Any]
+
+
+def _edited(source: str, *edits: tuple[str, str]) -> str:
+    """``source`` with each ``(old, new)`` replaced, every ``old`` occurring exactly once."""
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise ValueError(f"template edit does not apply once: {old!r}")
+        source = source.replace(old, new)
+    return source
+
 
 # A plain ChatML template: the chat format of the tiny test model and the fallback for a
 # checkpoint that ships a tokenizer but no template.
@@ -28,47 +42,27 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# ``tiny-minimax-m2``'s template: the structure of MiniMax-M2's released template (a
-# ``]~!b[`` BOS, ``]~b]ROLE\n ... [e~[\n`` messages with the assistant role named ``ai``, a
-# default system message when the chat has none, tool results inside ``<response>``, and a
-# generation prompt opening ``<think>``), without its tool-call and reasoning rendering.
-MINIMAX_M2_TINY_TEMPLATE = (
-    "{{ ']~!b[' }}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "{{ ']~b]system\nYou are a helpful assistant.[e~[\n' }}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{{ ']~b]ai\n' + message['content'] + '[e~[\n' }}"
-    "{% elif message['role'] == 'tool' %}"
-    "{{ ']~b]tool\n<response>' + message['content'] + '</response>[e~[\n' }}"
-    "{% else %}{{ ']~b]' + message['role'] + '\n' + message['content'] + '[e~[\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ ']~b]ai\n<think>\n' }}{% endif %}"
+# ``tiny-minimax-m2``'s template: MiniMax-M2's released template
+# (:data:`~akv_jax.model.released_templates.MINIMAX_M2_TEMPLATE`) with two edits, each checked to
+# apply once: a tool call's arguments may also be a JSON string (what OpenAI clients send; the
+# released text iterates them as a mapping, so it is parsed with ``fromjson``), and a tool message
+# that follows no tool call is rendered instead of refused.
+MINIMAX_M2_TINY_TEMPLATE = _edited(
+    MINIMAX_M2_TEMPLATE,
+    (
+        "{% set _args = tool_call.arguments %}",
+        "{% set _args = tool_call.arguments | fromjson if tool_call.arguments is string"
+        " else tool_call.arguments %}",
+    ),
+    (
+        "    {%- if last_tool_call.name is none -%}\n"
+        "        {{- raise_exception(\"Message has tool role, but there was no previous assistant"
+        " message with a tool call!\") }}\n"
+        "    {%- endif -%}\n",
+        "",
+    ),
 )
 MINIMAX_M2_TINY_SPECIALS = ("]~!b[", "]~b]", "[e~[")
-# The chat format of ``tiny-qwen3-moe``: ChatML with Qwen3's reasoning rule, written here from
-# its behaviour (not a copy of the released template): an assistant turn's reasoning is
-# rendered, as ``<think>\n...\n</think>\n\n`` before its content, only when no user message
-# follows it, so appending a user message re-renders earlier assistant turns without their
-# reasoning (the segment splitting then finds each message's text in the full rendering); tool
-# results are user turns wrapped in ``<tool_response>``; ``enable_thinking=False`` opens the
-# generation with an empty think block.
-QWEN3_STYLE_TEMPLATE = (
-    "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}"
-    "{%- if m.reasoning_content and loop.index0 > ns.last_user %}"
-    "{{- '<think>\n' + m.reasoning_content + '\n</think>\n\n' }}{%- endif %}"
-    "{{- m.content + '<|im_end|>\n' }}"
-    "{%- elif m.role == 'tool' %}"
-    "{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
-    "{%- if enable_thinking is defined and not enable_thinking %}"
-    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
-)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -97,6 +91,13 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     )
 
 
+def _fromjson(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise jinja2.exceptions.TemplateError(f"not JSON ({e}): {text[:80]!r}") from None
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the environment transformers renders templates in
     (raises :class:`jinja2.TemplateSyntaxError`)."""
@@ -104,6 +105,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.filters["fromjson"] = _fromjson  # ours (tiny-minimax-m2's template), not transformers'
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
@@ -113,9 +115,15 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def alias_reasoning(messages: Sequence[Message]) -> list[Message]:
-    """Give reasoning every name templates read it under (as transformers does)."""
+    """Give reasoning every name templates read it under (as transformers does), and a null
+    content the empty string (an OpenAI tool-call message's content is null, and released
+    templates use content as a string: Qwen3's tests ``'</think>' in content``, MiniMax-M2's
+    would print ``None``)."""
     out = []
     for m in messages:
         r = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
-        out.append({"thinking": r, **m, "reasoning_content": r} if r is not None else dict(m))
+        m = {"thinking": r, **m, "reasoning_content": r} if r is not None else dict(m)
+        if "content" in m and m["content"] is None:
+            m["content"] = ""
+        out.append(m)
     return out

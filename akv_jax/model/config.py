@@ -568,6 +568,21 @@ def tiny_qwen3_moe_config(vocab_size: int = 512) -> ModelConfig:
         decoder_sparse_step=2,
     )
 
+
+def tiny_gpt_oss_bpe_config() -> ModelConfig:
+    """``--model-path tiny-gpt-oss-bpe``: :func:`tiny_gpt_oss_config` over GPT-OSS's real
+    vocabulary (o200k_harmony, 201,088 ids) with its EOS ids, as its generation_config.json:
+    ``<|return|>``, ``<|endoftext|>``, ``<|call|>``."""
+    return dataclasses.replace(tiny_gpt_oss_config(201088), eos_token_ids=(200002, 199999, 200012))
+
+
+def tiny_qwen3_moe_bpe_config() -> ModelConfig:
+    """``--model-path tiny-qwen3-moe-bpe``: :func:`tiny_qwen3_moe_config` over Qwen3's real
+    vocabulary, padded to 151,936 ids as the released Qwen3 checkpoints are, with their EOS ids
+    (generation_config.json): ``<|im_end|>``, ``<|endoftext|>``."""
+    return dataclasses.replace(tiny_qwen3_moe_config(151936), eos_token_ids=(151645, 151643))
+
+
 # The released models' shapes (their Hugging Face config.json, abridged), for shape-only work:
 # deviceless compiles, memory plans and benchmarks with random weights. Serving a real
 # checkpoint reads its own config.json instead.

@@ -20,16 +20,21 @@ transformers sets it up (:mod:`akv_jax.model.chat_template`).
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import json
+import os
+import pickle
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import tokenizers
 from tokenizers import Tokenizer
 
+from akv_jax.model import byte_bpe, vocabularies
 from akv_jax.model.byte_bpe import byte_tokenizer, gguf_tokenizer
 from akv_jax.model.chat_template import (
     CHATML_TEMPLATE,
@@ -40,6 +45,7 @@ from akv_jax.model.chat_template import (
     compile_chat_template,
 )
 from akv_jax.model.harmony_template import HARMONY_SPECIALS, HARMONY_TEMPLATE
+from akv_jax.model.released_templates import QWEN3_TEMPLATE
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -142,6 +148,32 @@ class ChatTokenizer:
                    "pad_token": "<|endoftext|>"}
         extra = [tok.token_to_id("<|call|>"), tok.token_to_id("<|endoftext|>")]
         return cls(tok, HARMONY_TEMPLATE, special, extra_eos_ids=extra)
+
+    @classmethod
+    def o200k_harmony(cls) -> ChatTokenizer:
+        """GPT-OSS's tokenizer (``tiny-gpt-oss-bpe``): the o200k_harmony vocabulary
+        (:func:`akv_jax.model.vocabularies.o200k_harmony_tokenizer`) chatting in harmony, its
+        special tokens as GPT-OSS's tokenizer_config.json (EOS ``<|return|>``) and
+        generation_config.json (``<|call|>`` and ``<|endoftext|>`` end a generation too)."""
+        tok = _cached_bpe("o200k_harmony", vocabularies.o200k_harmony,
+                          vocabularies.o200k_harmony_tokenizer, ())
+        special = {"bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+                   "pad_token": "<|endoftext|>"}
+        extra = [tok.token_to_id("<|call|>"), tok.token_to_id("<|endoftext|>")]
+        return cls(tok, HARMONY_TEMPLATE, special, extra_eos_ids=extra)
+
+    @classmethod
+    def qwen3(cls) -> ChatTokenizer:
+        """Qwen3's tokenizer (``tiny-qwen3-moe-bpe``): its vocabulary
+        (:func:`akv_jax.model.vocabularies.qwen3_tokenizer`) with the released chat template,
+        EOS ``<|im_end|>`` and pad ``<|endoftext|>`` (tokenizer_config.json; no BOS), which
+        ends a generation too (generation_config.json). As released, ``<think>``,
+        ``<tool_call>`` and the other markup ids from ``<tool_call>`` on are added tokens that
+        are not special, so decoding with ``skip_special_tokens`` keeps their text."""
+        tok = _cached_bpe("qwen3", vocabularies.qwen3, vocabularies.qwen3_tokenizer,
+                          QWEN3_MARKUP_TOKENS)
+        special = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+        return cls(tok, QWEN3_TEMPLATE, special, extra_eos_ids=[tok.token_to_id("<|endoftext|>")])
 
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into ``path``."""
@@ -288,6 +320,47 @@ class ChatTokenizer:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+# Qwen3's added tokens that its tokenizer_config.json marks "special": false (ids 151657-151668).
+QWEN3_MARKUP_TOKENS = (
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+)
+
+
+def _cached_bpe(
+    name: str,
+    encoding: Callable[[], Any],
+    build: Callable[[], Tokenizer],
+    not_special: Sequence[str],
+) -> Tokenizer:
+    """``build()`` (with the ``not_special`` added tokens made ordinary ones), kept as a
+    tokenizer.json under :func:`akv_jax.model.vocabularies.cache_dir`: loading that takes
+    about a second, building the BPE 1.5-2.5 s. The file is named by a digest of the
+    vocabulary and of the code that builds it, so a change to either builds it afresh."""
+    digest = hashlib.sha256(pickle.dumps((encoding(), tuple(not_special)), protocol=5))
+    for module in (vocabularies, byte_bpe):
+        digest.update(Path(module.__file__).read_bytes())
+    digest.update(tokenizers.__version__.encode())
+    folder = vocabularies.cache_dir() / "tokenizers"
+    path = folder / f"{name}-{digest.hexdigest()[:16]}.json"
+    if path.exists():
+        return Tokenizer.from_file(str(path))
+    spec = json.loads(build().to_str())
+    for added in spec["added_tokens"]:
+        if added["content"] in not_special:
+            added["special"] = False
+    text = json.dumps(spec, ensure_ascii=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    for old in folder.glob(f"{name}-*.json"):  # earlier versions of this vocabulary
+        if old != path:
+            old.unlink(missing_ok=True)
+    return Tokenizer.from_str(text)
 
 
 # Special-token-like markers and newlines: the pieces rendered texts are aligned by.

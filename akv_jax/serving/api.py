@@ -34,6 +34,7 @@ from akv_jax.serving import protocol
 from akv_jax.serving.async_engine import AsyncEngine
 from akv_jax.serving.metrics import CONTENT_TYPE, ServerMetrics
 from akv_jax.serving.openai_chat import ChatCompletions
+from akv_jax.serving.openai_responses import Responses
 from akv_jax.serving.protocol import BodyTooLarge, Limits
 from akv_jax.serving.responses import (
     SSE_DONE,
@@ -47,6 +48,7 @@ from akv_jax.serving.responses import (
     sse,
     unless_disconnected,
 )
+from akv_jax.serving.responses_api import ResponsesBody
 from akv_jax.serving.schemas import ChatBody, GenerateBody
 from akv_jax.serving.types import GenerateRequest, SamplingParams
 
@@ -54,8 +56,8 @@ __all__ = ["BodyTooLarge", "Server", "create_app"]
 
 log = logging.getLogger("akv_jax.serving")
 
-ROUTES = ("/generate", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/flush_cache",
-          "/docs", "/openapi.json")
+ROUTES = ("/generate", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
+          "/metrics", "/flush_cache", "/docs", "/openapi.json")
 # Open without the API key: liveness, and the API's description (no data in either).
 PUBLIC = frozenset({"/health", "/docs", "/openapi.json"})
 
@@ -120,6 +122,8 @@ class Server:
         vocab_size: int | None,
         max_position: int | None,
         stop_ids: Sequence[int],
+        arch: str = "plain",
+        reply_format: str | None = None,
     ):
         self.async_engine = async_engine
         self.engine = async_engine.engine
@@ -129,11 +133,14 @@ class Server:
         self.vocab_size = vocab_size
         self.max_position = max_position
         self.stop_ids = frozenset(stop_ids)
+        self.arch = arch  # the model's architecture: picks its reply format (tool_use.py)
+        self.reply_format = reply_format  # a family named on the command line, or None
         self.created = int(time.time())
         # Read stats without going through the engine thread: a scrape must not wait for a
         # long prefill step, and the values are plain counters (a torn read is harmless).
         self.metrics = ServerMetrics(lambda: self.engine.stats())
         self.chat = ChatCompletions(self)
+        self.responses = Responses(self)
 
     # ---- shared pieces
 
@@ -150,8 +157,10 @@ class Server:
             chunks.append(chunk)
         return protocol.parse_json_body(b"".join(chunks), self.limits)
 
-    def make_request(self, segments, history, sampling: SamplingParams, logprob: bool):
-        return GenerateRequest(uuid.uuid4().hex, segments, history, sampling, logprob)
+    def make_request(self, segments, history, sampling: SamplingParams, logprob: bool,
+                     constraint=None) -> GenerateRequest:
+        return GenerateRequest(uuid.uuid4().hex, segments, history, sampling, logprob,
+                               constraint)
 
     async def check(self, req: GenerateRequest) -> None:
         # In a worker thread: checking a very long request walks every token.
@@ -270,15 +279,18 @@ def create_app(
     vocab_size: int | None = None,
     max_position: int | None = None,
     stop_ids: Sequence[int] = (),
+    arch: str = "plain",
+    reply_format: str | None = None,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts and stops ``async_engine``'s thread.
 
     ``vocab_size`` and ``max_position`` come from the model config; ``stop_ids`` are the EOS
-    ids the engine stops on (left out of chat message content).
+    ids the engine stops on (left out of chat message content); ``arch`` (the config's) picks
+    the reply format chat replies are parsed in, unless ``reply_format`` names one.
     """
     srv = Server(
         async_engine, model_name, tokenizer, limits or Limits(), vocab_size, max_position,
-        stop_ids,
+        stop_ids, arch, reply_format,
     )
 
     @contextlib.asynccontextmanager
@@ -318,6 +330,11 @@ def create_app(
         """OpenAI chat completions; AKV's ``cache`` operations name messages."""
         return await srv.chat(request)
 
+    @app.post("/v1/responses", openapi_extra=_body_doc(ResponsesBody))
+    async def responses(request: Request) -> Response:
+        """OpenAI Responses, stateless; AKV's ``cache`` operations name input items."""
+        return await srv.responses(request)
+
     @app.get("/v1/models")
     async def models() -> Response:
         return JSONResponse(srv.models())
@@ -348,7 +365,7 @@ def create_app(
 # The routes read and validate their bodies themselves (a bounded read, NaN refused, limits
 # of this server as validation context: see protocol.py), so FastAPI does not see the models
 # in their signatures; they are declared to the OpenAPI document here instead.
-_BODIES: tuple[type[BaseModel], ...] = (GenerateBody, ChatBody)
+_BODIES: tuple[type[BaseModel], ...] = (GenerateBody, ChatBody, ResponsesBody)
 _REF = "#/components/schemas/{model}"
 
 

@@ -52,7 +52,7 @@ from akv_jax.serving.executor import Executor
 from akv_jax.serving.multihost import MultihostError, digest, is_peer_loss, peer_failure
 from akv_jax.serving.planner import Planner, PoolTooSmall
 from akv_jax.serving.radix import request_keys
-from akv_jax.serving.sampler import invalid_param, make_rng, sample
+from akv_jax.serving.sampler import invalid_param, log_softmax, make_rng, sample
 from akv_jax.serving.types import GenerateRequest, TokenEvent, describe_error
 from akv_jax.serving.work import Pass, RequestState
 
@@ -80,13 +80,17 @@ class Engine:
         host_kv_tokens: int | None = None,
         admission_window_s: float = 10.0,
         admission_max_wait_s: float = 2.0,
+        jump_forward: bool = True,
     ):
         """``tp``: tensor-parallel degree of the (colocated) device group.
         ``disaggregate=(P, D)``: prefill and restores on the first P devices, decode on the
         next D (each group tensor-parallel over its devices), KV pages handed between them.
         ``host_kv_tokens``: the host tier's size (None: four times the device pool; 0: no
         host tier; always none across several processes, whose host memories differ).
-        ``admission_window_s`` / ``admission_max_wait_s``: see the module docstring."""
+        ``admission_window_s`` / ``admission_max_wait_s``: see the module docstring.
+        ``jump_forward``: feed the tokens a request's grammar forces in one decode pass
+        instead of a step each (the same tokens either way: a forced token is the only one
+        its grammar allows)."""
         self.cfg = model.cfg
         tok = getattr(model, "tokenizer", None)
         self.eos_ids = set(model.cfg.eos_token_ids) | set(getattr(tok, "eos_ids", ()) or ())
@@ -110,6 +114,7 @@ class Engine:
         self.backend = attention_backend
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
+        self.jump_forward = jump_forward
         # Multi-host: called once per step, before any forward, with a digest of what this
         # process is about to run; raises if the processes disagree (see multihost.py).
         self.replica_check: Callable[[int, bytes], None] | None = None
@@ -379,6 +384,13 @@ class Engine:
                 parts.append(("decode", decode_pass, ex.run_decode(decode_pass)))
             except Exception as e:
                 events.extend(self._forward_failed(decode_pass, e, "decode"))
+        # Grammar masks of constrained rows, computed while the forwards run (dispatch is
+        # asynchronous; a grammar's state depends only on tokens already sampled).
+        masks = {
+            r.rid: r.req.constraint.allowed()
+            for _, work, _ in parts for r, p in work
+            if p.logits_row >= 0 and r.req.constraint is not None and not r.resumed
+        }
         results = []
         for what, work, out in parts:
             try:
@@ -399,7 +411,13 @@ class Engine:
                             r.resumed = False
                             continue
                     sp = r.req.sampling
-                    if sp.temperature == 0 and oks[i] and invalid_param(sp) is None:
+                    greedy_ok = sp.temperature == 0 and oks[i] and invalid_param(sp) is None
+                    if r.req.constraint is not None:
+                        events.extend(self._sample_constrained(
+                            r, masks[r.rid], int(toks[i]) if greedy_ok else -1, float(lps[i]),
+                            lambda i=i, out=out: np.asarray(out.logits[i]),
+                        ))
+                    elif greedy_ok:
                         events.extend(self._emit(r, int(toks[i]), float(lps[i])))
                     else:
                         events.extend(self._sample(r, np.asarray(out.logits[i])))
@@ -476,7 +494,7 @@ class Engine:
         enters the cache as the last segment of its continuation request, which waits at
         the head of the queue; its sampler state and generated tokens stay with it."""
         del self.running[r.rid]
-        fed = r.generated[r.gen_base : -1]
+        fed = r.generated[r.gen_base : len(r.generated) - r.unfed]
         self._release(r, insert=True)
         if fed:
             req, h = r.req, r.req.history
@@ -485,7 +503,7 @@ class Engine:
             r.req = dataclasses.replace(req, segments=segments, history=history)
             r.tl = timeline([len(x) for x in segments], history)
             r.keys, r.tok_index, r.key_boundary = request_keys(segments, history)
-        r.gen_base = len(r.generated) - 1
+        r.gen_base = len(r.generated) - r.unfed
         r.resumed = True
         r.status = "waiting"
         r.waiting_since = time.monotonic()
@@ -499,17 +517,58 @@ class Engine:
         tok, logprob = sample(logits, r.req.sampling, r.rng)
         return self._emit(r, tok, logprob)
 
+    def _sample_constrained(
+        self, r: RequestState, allowed: np.ndarray, greedy: int, greedy_lp: float,
+        row: Callable[[], np.ndarray],
+    ) -> list[TokenEvent]:
+        """Sample under ``r``'s grammar: the logits row with every id the grammar forbids at
+        ``-inf``, so an allowed token has the chance the free request would give it among
+        the allowed ones. A greedy token the grammar allows is the masked row's greedy token
+        too (same first-index tie rule), so that row never leaves the device."""
+        if 0 <= greedy < allowed.size and allowed[greedy]:
+            tok, logprob = greedy, greedy_lp
+        else:
+            logits = row()
+            width = min(allowed.size, logits.size)
+            masked = np.full(logits.shape, -np.inf)
+            masked[:width] = np.where(allowed[:width], logits[:width], -np.inf)
+            tok, _ = sample(masked, r.req.sampling, r.rng)
+            logprob = float(log_softmax(logits)[tok])  # the model's own, as for free rows
+        r.req.constraint.advance(tok)
+        return self._emit(r, tok, logprob)
+
     def _emit(self, r: RequestState, tok: int, logprob: float) -> list[TokenEvent]:
         """``r`` generated ``tok`` (sampled on the host, or greedy from the step's summary,
-        which is the same token: the first index of the largest logit)."""
+        which is the same token: the first index of the largest logit), which its pass's
+        forward makes the only unfed token. Then the tokens its grammar forces, if any, are
+        appended without a decode step each (jump-forward): the next decode pass feeds them
+        all at once. A forced token has no log-probability (no logits were computed for it)."""
+        r.unfed = 0
+        events = self._append(r, tok, logprob)
+        c = r.req.constraint
+        while c is not None and self.jump_forward and not events[-1].finished:
+            forced = c.forced()
+            if not forced:
+                break
+            for f in forced:
+                c.advance(f)
+                events.extend(self._append(r, f, float("nan")))
+                if events[-1].finished:
+                    break
+        return events
+
+    def _append(self, r: RequestState, tok: int, logprob: float) -> list[TokenEvent]:
         sp = r.req.sampling
         r.generated.append(tok)
+        r.unfed += 1
         lp = logprob if r.req.return_logprob else None
         reason = None
         if not sp.ignore_eos and tok in self.eos_ids:
             reason = "stop"
         elif tok in sp.stop_token_ids:
             reason = "stop"
+        elif r.req.constraint is not None and r.req.constraint.finished:
+            reason = "stop"  # the grammar is complete: nothing more may follow
         elif len(r.generated) >= sp.max_new_tokens:
             reason = "length"
         if reason is None:
@@ -536,7 +595,7 @@ class Engine:
 
     def _release(self, r: RequestState, insert: bool) -> None:
         """Hand generated KV to the cache (the next turn reuses it) and unlock the path."""
-        fed = r.generated[r.gen_base : -1]  # the last sampled token was never fed: no KV
+        fed = r.generated[r.gen_base : len(r.generated) - r.unfed]  # the rest has no KV
         pages = r.gen_pages
         r.gen_pages = []
         if insert and fed and r.prompt_last_node is not None:

@@ -77,10 +77,13 @@ def _port(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from akv_jax.formats.reply import FAMILIES
+
     p = _Parser(prog=PROG, description="Serve a model with AKV cache operations over HTTP.")
     p.add_argument("--model-path", default=None,
-                   help="Hugging Face folder, .gguf file, converted checkpoint, 'tiny' or "
-                        "'tiny-gpt-oss' or 'tiny-qwen3-moe' "
+                   help="Hugging Face folder, .gguf file, converted checkpoint, or a small "
+                        "random model: 'tiny', 'tiny-gpt-oss', 'tiny-gpt-oss-bpe', "
+                        "'tiny-minimax-m2', 'tiny-qwen3-moe', 'tiny-qwen3-moe-bpe' "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None,
                    help="model name reported by /v1/models (default: from --model-path)")
@@ -126,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs in slices over several steps while running requests decode")
     p.add_argument("--max-new-tokens-limit", type=_positive("--max-new-tokens-limit"),
                    default=32768, help="largest max_new_tokens / max_tokens a request may ask")
+    p.add_argument("--reply-format", choices=FAMILIES, default=None,
+                   help="how chat replies are parsed into content, reasoning and tool calls "
+                        "(default: from the model's architecture; docs/agents.md)")
+    p.add_argument("--reasoning-budget", type=_at_least_zero("--reasoning-budget"),
+                   default=256,
+                   help="tokens a reply held to a tool call or JSON schema may reason first")
     p.add_argument("--compile-cache-dir", default=None,
                    help="persistent XLA compilation cache, so restarts skip compiles "
                         "(default: $AKV_JAX_CACHE/xla, i.e. ~/.cache/akv_jax/xla; 'none' "
@@ -328,13 +337,16 @@ def build_server(
     from akv_jax.serving.protocol import Limits
 
     name = args.served_model_name or served_name(args.model_path)
-    limits = Limits(max_new_tokens=args.max_new_tokens_limit)
+    limits = Limits(max_new_tokens=args.max_new_tokens_limit,
+                    reasoning_budget=args.reasoning_budget)
     async_engine = AsyncEngine(engine, lockstep=lockstep)
     app = create_app(
         async_engine, name, model.tokenizer, args.api_key, limits,
         vocab_size=model.cfg.vocab_size,
         max_position=model.cfg.max_position_embeddings,
         stop_ids=model.stop_ids,
+        arch=model.cfg.arch,
+        reply_format=args.reply_format,
     )
     config = uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",

@@ -272,10 +272,14 @@ class Planner:
 
     # ------------------------------------------------------------------ decode
     def decode_pass(self, r: RequestState) -> Pass | None:
-        """``r``'s next decode row, or None when no page is free for its next token."""
+        """``r``'s next decode pass: one row for the token sampled last, or a row for each
+        token still unfed (a grammar's forced tokens after it, fed in one pass); None when
+        no page is free for them."""
         ps = self.page_size
-        j = len(r.generated) - 1 - r.gen_base  # index of the token being fed, in gen_pages
-        if j // ps >= len(r.gen_pages):
+        n = r.unfed
+        j = len(r.generated) - n - r.gen_base  # index of the first token fed, in gen_pages
+        last = j + n - 1
+        while last // ps >= len(r.gen_pages):
             pages = self.cache.alloc(1)
             if pages is None:
                 return None
@@ -284,23 +288,23 @@ class Planner:
         toks = r.view_toks
         vis = toks >= 0
         vis[vis] = tl.final_active[toks[vis]]
-        gen_vis = np.arange(len(r.gen_pages) * ps) <= j
-        slot = r.gen_pages[j // ps] * ps + j % ps
-        pos = tl.next_pos + j
+        gen_vis = np.arange(len(r.gen_pages) * ps) <= last
+        pos = [tl.next_pos + j + i for i in range(n)]
+        slots = _slots(r.gen_pages, j + n, ps)[j:]
         return Pass(
-            tokens=[r.generated[-1]],
-            q_pos=[pos],
-            writes=[[(slot, pos)]],
+            tokens=r.generated[len(r.generated) - n :],
+            q_pos=pos,
+            writes=[[(sl, p)] for sl, p in zip(slots, pos, strict=True)],
             segments=[
                 SegmentSpec(
                     q_start=0,
-                    q_len=1,
+                    q_len=n,
                     pages=r.view_pages + r.gen_pages,
                     kv_visible=np.concatenate([vis, gen_vis]),
                     causal_pos=len(toks) + j,
                 )
             ],
-            logits_row=0,
+            logits_row=n - 1,
         )
 
     # ------------------------------------------------------------------ helpers

@@ -32,6 +32,7 @@ __all__ = [
     "parse_chat",
     "parse_generate",
     "parse_json_body",
+    "removed_reasoning",
     "sampling",
 ]
 
@@ -46,6 +47,10 @@ class Limits:
     default_max_tokens: int = 1024  # chat requests that give no max_tokens
     max_stop: int = 16  # stop strings / stop token ids
     max_body_bytes: int = 64 << 20
+    # Agents (tool_use.py, reply_record.py): tokens a constrained reply may reason for before
+    # its call or document, and how many recent replies' ids are kept for cache hits.
+    reasoning_budget: int = 256
+    reply_record: int = 4096
 
 
 class BodyTooLarge(InvalidField):
@@ -75,6 +80,13 @@ class ChatInput:
     include_usage: bool
     logprobs: bool
     template_kwargs: dict[str, Any]  # tools etc., passed to the chat template
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool dicts, as sent
+    tool_choice: str | dict[str, Any] = "none"  # resolved: "auto" when tools are given
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None  # json_object / json_schema; None: text
+    # cache.removed_reasoning: "drop" serves reasoning left out of a recorded reply as a drop
+    # of it (removed_reasoning.py); "as_sent" (the default) serves the text as sent.
+    removed_reasoning: str = "as_sent"
 
 
 def parse_json_body(raw: bytes, limits: Limits) -> dict[str, Any]:
@@ -166,9 +178,11 @@ def parse_chat(body: Any, limits: Limits, vocab_size: int | None) -> ChatInput:
     """An OpenAI chat request plus AKV's ``cache``; unknown OpenAI fields are ignored."""
     b = validated(ChatBody, body, limits, vocab_size)
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+    cache, removed = removed_reasoning(b.cache, "cache")
     return ChatInput(
         messages=[_template_message(m) for m in b.messages],
-        cache=b.cache,
+        cache=cache,
+        removed_reasoning=removed,
         max_tokens=max_tokens,
         sampling=sampling(b, max_tokens or 1),
         stop=tuple(b.stop or ()),
@@ -176,15 +190,59 @@ def parse_chat(body: Any, limits: Limits, vocab_size: int | None) -> ChatInput:
         include_usage=bool(b.stream_options and b.stream_options.include_usage),
         logprobs=bool(b.logprobs),
         template_kwargs=_template_kwargs(b),
+        **agent_fields(b),
     )
+
+
+def agent_fields(b: ChatBody) -> dict[str, Any]:
+    """tools, tool_choice, parallel_tool_calls and response_format as plain values, with
+    OpenAI's defaults resolved; what depends on the model (a template that cannot render
+    tools, a schema the grammar engine refuses) is checked by :mod:`.tool_use`."""
+    tools = [t.model_dump(exclude_none=True) for t in b.tools] if b.tools else None
+    choice: str | dict[str, Any] = (
+        b.tool_choice if isinstance(b.tool_choice, str)
+        else b.tool_choice.model_dump() if b.tool_choice is not None
+        else "auto" if tools else "none"
+    )
+    if choice != "none" and not tools:
+        raise InvalidField("tool_choice", f"{json.dumps(choice)} needs tools, and none are given")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in {t["function"]["name"] for t in tools or ()}:
+            raise InvalidField("tool_choice.function.name",
+                               f"{name!r} is not one of the declared tools")
+    rf = b.response_format
+    fmt = None
+    if rf is not None and rf.type != "text":
+        fmt = {"type": rf.type}
+        if rf.json_schema is not None:
+            fmt["json_schema"] = rf.json_schema.model_dump(by_alias=True, exclude_none=True)
+    return dict(tools=tools, tool_choice=choice,
+                parallel_tool_calls=b.parallel_tool_calls is not False, response_format=fmt)
+
+
+REMOVED_REASONING = ("as_sent", "drop")
+
+
+def removed_reasoning(cache: Any, field: str) -> tuple[Any, str]:
+    """``cache`` without its ``removed_reasoning`` option, and the option (checked)."""
+    if not isinstance(cache, dict) or "removed_reasoning" not in cache:
+        return cache, "as_sent"
+    value = cache["removed_reasoning"]
+    if value not in REMOVED_REASONING:
+        raise InvalidField(f"{field}.removed_reasoning",
+                           f"expected one of {', '.join(map(repr, REMOVED_REASONING))}, "
+                           f"got {json.dumps(value)}")
+    rest = {k: v for k, v in cache.items() if k != "removed_reasoning"}
+    return rest, value
 
 
 def _template_kwargs(b: ChatBody) -> dict[str, Any]:
     """Variables for the chat template beside the messages: chat_template_kwargs, then the
     request's own fields (tools, reasoning_effort) where given."""
     out = dict(b.chat_template_kwargs or {})
-    if b.tools is not None:
-        out["tools"] = b.tools
+    if b.tools:
+        out["tools"] = [t.model_dump(exclude_none=True) for t in b.tools]
     if b.reasoning_effort is not None:
         out["reasoning_effort"] = b.reasoning_effort
     return out

@@ -45,7 +45,10 @@ from akv_jax.cache.ops import token_outside_vocab
 from akv_jax.errors import InvalidField
 
 __all__ = [
+    "FUNCTION_NAME",
     "ChatBody",
+    "ResponseFormat",
+    "Tool",
     "GenerateBody",
     "Message",
     "SamplingBody",
@@ -289,13 +292,31 @@ def _as_parts(v: Any) -> Any:
     return v
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+
+    name: str
+    # OpenAI sends a JSON string; kept exactly as sent (a reply's record is keyed on it).
+    arguments: str | dict[str, Any]
+
+
+class ToolCallIn(BaseModel):
+    """A call of an assistant message sent back as history."""
+
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     """A chat message; keys not named here are passed to the chat template as they are."""
 
     model_config = ConfigDict(**_STRICT, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     content: Annotated[
         list[TextPart] | None,
         BeforeValidator(_as_parts, json_schema_input_type=str | list[TextPart] | None),
@@ -320,17 +341,118 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(**_STRICT, extra="allow")
+# --------------------------------------------------------------------------- agents
 
-    type: Literal["text"]
+# OpenAI's rule for function names (the Agents SDK and the official client follow it).
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        if not isinstance(v, dict) or v.get("type") != "text":
-            raise PydanticCustomError("unsupported", "only {'type': 'text'} is supported")
+
+def _json_schema_object(v: Any) -> Any:
+    if not isinstance(v, dict):
+        raise PydanticCustomError("schema_type", "a JSON schema must be an object, got {kind}",
+                                  {"kind": _shown(v)})
+    return v
+
+
+JsonSchema = Annotated[dict[str, Any], BeforeValidator(_json_schema_object)]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: JsonSchema | None = None  # None: any arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """A Chat Completions tool: only functions are served."""
+
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
+def _tool_choice(v: Any) -> Any:
+    """A mode or a named function; one message for every wrong shape (a union's errors would
+    name pydantic's branches instead of the field)."""
+    if isinstance(v, str) and v in TOOL_CHOICE_MODES:
         return v
+    fn = v.get("function") if isinstance(v, dict) else None
+    if (isinstance(v, dict) and set(v) == {"type", "function"} and v["type"] == "function"
+            and isinstance(fn, dict) and set(fn) == {"name"} and isinstance(fn["name"], str)):
+        return NamedToolChoice.model_validate(v)
+    raise PydanticCustomError(
+        "tool_choice", "expected 'none', 'auto', 'required' or {shape}, got {value}",
+        {"shape": "{'type': 'function', 'function': {'name': ...}}", "value": _shown(v)},
+    )
+
+
+ToolChoice = Annotated[
+    Any, BeforeValidator(_tool_choice),
+    WithJsonSchema({"anyOf": [
+        {"enum": list(TOOL_CHOICE_MODES)},
+        {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"],
+                         "properties": {"name": {"type": "string"}}}}},
+    ]}),
+]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    schema_: Annotated[JsonSchema | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}``; the JSON kinds are enforced by constrained
+    decoding."""
+
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("missing", "json_schema is required when type is "
+                                                 "'json_schema'")
+        return self
+
+
+def _unique_names(tools: list[Tool] | None) -> list[Tool] | None:
+    seen: set[str] = set()
+    for i, t in enumerate(tools or ()):
+        if t.function.name in seen:
+            raise PydanticCustomError("duplicate", "function {name!r} is declared twice "
+                                      "(tools[{i}])", {"name": t.function.name, "i": i})
+        seen.add(t.function.name)
+    return tools
 
 
 def _one_stop(v: Any) -> Any:
@@ -360,7 +482,9 @@ class ChatBody(SamplingFields):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
-    tools: list[dict[str, Any]] | None = None  # passed to the chat template
+    tools: Annotated[list[Tool], AfterValidator(_unique_names)] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None
     # GPT-OSS's harmony template reads it; other templates ignore it.
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     # Extra variables for the chat template (as vLLM and SGLang take them), e.g.

@@ -4,6 +4,9 @@ streams back, and the one-line form of an error that a client is shown."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
+
+import numpy as np
 
 from akv_jax.cache.ops import OpHistory
 
@@ -19,6 +22,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
 
+class TokenConstraint(Protocol):
+    """A grammar over one request's output (:mod:`akv_jax.formats.constraint`): the engine
+    masks the logits row with it where it samples and advances it with each token."""
+
+    def allowed(self) -> np.ndarray: ...  # bool [vocab]: the ids the grammar allows next
+
+    def advance(self, token_id: int) -> None: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+
 @dataclasses.dataclass
 class GenerateRequest:
     rid: str
@@ -26,6 +41,7 @@ class GenerateRequest:
     history: OpHistory
     sampling: SamplingParams = SamplingParams()
     return_logprob: bool = False
+    constraint: TokenConstraint | None = None
 
 
 @dataclasses.dataclass

@@ -71,6 +71,9 @@ class RequestState:
     view_nodes: list[Node] = dataclasses.field(default_factory=list)  # final view, any visible
     gen_pages: list[int] = dataclasses.field(default_factory=list)
     generated: list[int] = dataclasses.field(default_factory=list)
+    # Generated tokens at the end with no KV yet: the one sampled last, plus any a grammar
+    # forced after it (jump-forward), all fed by its next decode pass.
+    unfed: int = 1
     cached_tokens: int = 0
     rng: np.random.Generator | None = None
     prefill: Pass | None = None  # the planned pass while it runs, slice by slice

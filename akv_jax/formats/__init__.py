@@ -1,0 +1,1 @@
+"""Per-family parsers of generated replies into content, reasoning and tool calls."""

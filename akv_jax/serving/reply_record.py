@@ -1,0 +1,94 @@
+"""The token ids of recent replies, so that a reply sent back as history hits the cache.
+
+An agent sends the assistant message it received back as history. Its KV is in the cache
+under the ids the model *generated*; tokenizing the message's rendered text again need not give
+those ids (BPE merges, constrained output), and then the whole reply, and everything after it,
+misses. So the server remembers, for a bounded number of recent replies, the ids it generated
+(the generation prompt included), keyed by what a client sends back: the reply's tool-call ids
+or, for a reply without calls, its content.
+
+Only the tokenization changes, never the text: :func:`as_generated` uses the recorded ids for
+a message's segment only where they decode to a prefix of that segment's own rendered text,
+and tokenizes the rest of the text (the template's end-of-message markup) after them. A
+template that renders the reply differently (another call syntax, reasoning removed) simply
+misses, as it would without the record.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["ReplyRecord", "as_generated", "reply_key"]
+
+Key = tuple[Any, ...]
+
+
+def reply_key(content: str | None, call_ids: Sequence[str]) -> Key | None:
+    """What identifies a reply a client sends back: its tool-call ids (unique per reply), or,
+    without calls, its content text."""
+    if call_ids:
+        return ("calls", *call_ids)
+    if content:
+        return ("content", content)
+    return None
+
+
+def message_key(message: dict[str, Any]) -> Key | None:
+    """:func:`reply_key` of an assistant message as a client sends it back."""
+    calls = message.get("tool_calls") or ()
+    ids = [c.get("id") for c in calls if isinstance(c, dict)]
+    if calls and (len(ids) != len(calls) or not all(isinstance(i, str) for i in ids)):
+        return None
+    content = message.get("content")
+    return reply_key(content if isinstance(content, str) else None, ids)
+
+
+class ReplyRecord:
+    """A bounded, least-recently-used map from reply keys to generated ids (thread-safe:
+    the HTTP handlers write and read it from worker threads)."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._ids: collections.OrderedDict[Key, tuple[int, ...]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def remember(self, key: Key | None, ids: Sequence[int]) -> None:
+        if key is None or self.capacity <= 0 or not ids:
+            return
+        with self._lock:
+            self._ids[key] = tuple(ids)
+            self._ids.move_to_end(key)
+            while len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
+
+    def lookup(self, key: Key | None) -> tuple[int, ...] | None:
+        if key is None:
+            return None
+        with self._lock:
+            ids = self._ids.get(key)
+            if ids is not None:
+                self._ids.move_to_end(key)
+            return ids
+
+
+def as_generated(segment: list[int], generated: Sequence[int], tokenizer: Any) -> list[int]:
+    """``segment`` (a message's ids as rendered) re-tokenized to start with ``generated``
+    (the ids the model produced for it, generation prompt first) where their text is a prefix
+    of the segment's text: all of ``generated``, or all but a last stop token (which the
+    template may render otherwise). Otherwise ``segment`` itself."""
+    text = tokenizer.decode(segment)
+    ends = [len(generated)]
+    if generated and generated[-1] in tokenizer.eos_ids:
+        ends.append(len(generated) - 1)
+    for k in ends:
+        head = tokenizer.decode(list(generated[:k]))
+        if text.startswith(head):
+            rest = text[len(head):]
+            return [*generated[:k], *(tokenizer.encode(rest) if rest else [])]
+    return segment
