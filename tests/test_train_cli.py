@@ -137,8 +137,9 @@ def _checkpoint_params(path: Path):
         (
             ["--model-path", "nope"],
             "'nope' is not a model: expected 'default', 'tiny', 'tiny-gpt-oss', "
-            "'tiny-minimax-m2', 'tiny-qwen3-moe', a .gguf file, a Hugging Face folder "
-            "(config.json + *.safetensors) or a converted folder",
+            "'tiny-gpt-oss-bpe', 'tiny-minimax-m2', 'tiny-qwen3-moe', 'tiny-qwen3-moe-bpe', "
+            "a .gguf file, a Hugging Face folder (config.json + *.safetensors) "
+            "or a converted folder",
         ),
     ],
 )
