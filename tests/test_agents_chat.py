@@ -18,10 +18,6 @@ import openai
 import pytest
 from server_support import shared_server
 
-# Not yet green (issue 34 open): constrained decoding through the engine still rejects a
-# token on some models ("not allowed by the grammar"); kept out of CI until fixed.
-pytestmark = pytest.mark.slow
-
 MODELS = ("tiny-gpt-oss", "tiny-gpt-oss-bpe", "tiny-qwen3-moe", "tiny-qwen3-moe-bpe",
           "tiny-minimax-m2")
 
@@ -53,7 +49,9 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ANSWER = {
     "type": "object",
     "properties": {"answer": {"type": "string", "maxLength": 16},
-                   "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+                   # An integer: a number's digits are unbounded ("1.0000...") and a random
+                   # model may never stop writing them.
+                   "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
     "required": ["answer", "confidence"],
     "additionalProperties": False,
 }
@@ -63,8 +61,11 @@ MESSAGES = [
 ]
 
 
+PAGE = 16
+
+
 def server_args(model: str) -> tuple[str, ...]:
-    return ("--model-path", model, "--max-total-tokens", "8192", "--page-size", "16",
+    return ("--model-path", model, "--max-total-tokens", "8192", "--page-size", str(PAGE),
             "--reasoning-budget", "6")
 
 
@@ -82,7 +83,7 @@ def client(model):
 
 
 def chat(client: openai.OpenAI, model: str, messages=MESSAGES, **kw):
-    kw.setdefault("max_tokens", 96)
+    kw.setdefault("max_tokens", 256)  # byte vocabularies spend 4 tokens a character
     return client.chat.completions.create(model=model, messages=messages, temperature=0, **kw)
 
 
@@ -134,12 +135,15 @@ def test_json_schema_reply_validates(client, model):
     msg = resp.choices[0].message
     assert resp.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(msg.content), ANSWER)
-    obj = chat(client, model, response_format={"type": "json_object"}).choices[0].message
-    assert isinstance(json.loads(obj.content), dict)
+    obj = chat(client, model, response_format={"type": "json_object"}).choices[0]
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.message.content), dict)
+    else:  # a random model may write one endless string: nothing in json_object bounds it
+        assert obj.finish_reason == "length" and obj.message.content.startswith("{")
 
 
 def test_next_turn_hits_the_reply_in_the_cache(client, model):
-    first = chat(client, model, tools=TOOLS, tool_choice="required")
+    first = chat(client, model, tools=TOOLS, tool_choice="required", logprobs=True)
     msg = first.choices[0].message
     check_calls(msg, set(SCHEMAS))
     resent = {"role": "assistant", "content": None, "tool_calls": [
@@ -153,10 +157,29 @@ def test_next_turn_hits_the_reply_in_the_cache(client, model):
                for c in msg.tool_calls]
     second = chat(client, model, messages=[*MESSAGES, resent, *results], tools=TOOLS,
                   max_tokens=4)
-    # Everything the first turn fed the model: its prompt and its reply but the last token
-    # (the stop token that ended it was sampled, never fed, so it has no KV).
-    fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    # Everything the first turn fed the model: its prompt and its reply up to the last token
+    # it sampled (that one, and the tokens the grammar forced after it, were never fed, so
+    # have no KV). Forced tokens come without a log-probability.
+    lps = [t.logprob for t in first.choices[0].logprobs.content]
+    last_sampled = max(i for i, lp in enumerate(lps) if lp is not None)
+    reply = len(lps)
+    if model == "tiny-minimax-m2":
+        # The resent reply matches to the end of its reasoning; a match that ends inside a
+        # stored run of tokens is shared in whole pages (of PAGE tokens) from the run's start.
+        reply = reasoning_end(first) // PAGE * PAGE
+    fed = first.usage.prompt_tokens + min(last_sampled, reply)
     assert second.usage.prompt_tokens_details.cached_tokens >= fed
+
+
+def reasoning_end(completion) -> int:
+    """Tokens up to and with MiniMax-M2's "</think>\\n\\n": its template renders one newline
+    more before a call block than the model writes, so the resent reply matches to there."""
+    text = ""
+    for k, t in enumerate(completion.choices[0].logprobs.content):
+        text += t.token
+        if text.endswith("</think>\n\n"):
+            return k + 1
+    raise AssertionError(f"no reasoning block in {text!r}")
 
 
 def test_auto_tool_choice_never_fails(client, model):

@@ -274,6 +274,9 @@ def parse(family: str, s: Served, ids: list[int]) -> Parsed:
     if family == "minimax_m2":
         assert text.endswith(eos)
         reasoning, _, body = text[: -len(eos)].partition("</think>\n\n")
+        if reasoning:  # the template renders it back as "<think>\n{reasoning}\n</think>"
+            assert reasoning.endswith("\n")
+            reasoning = reasoning[:-1]
         if not body.startswith("<minimax:tool_call>\n"):
             return Parsed(reasoning, document=json.loads(body))
         m = re.fullmatch(r"<minimax:tool_call>\n(.*)</minimax:tool_call>", body, re.DOTALL)
@@ -331,7 +334,7 @@ def reasoning_tokens(family: str, s: Served, ids: list[int]) -> int | None:
     opening, closing = {
         "harmony": (b"<|channel|>analysis<|message|>", b"<|end|>"),
         "qwen3": (b"<think>\n", b"\n</think>"),
-        "minimax_m2": (b"", b"</think>"),
+        "minimax_m2": (b"", b"\n</think>"),
     }[family]
     if not data.startswith(opening) or (family == "harmony" and b"analysis" not in data):
         return None
@@ -399,7 +402,7 @@ def test_parallel_calls(family, vocab):
         text = f"{call}\n{call}<|im_end|>"
     else:
         call = '<invoke name="noop">\n<parameter name="k">[1, 2]</parameter>\n</invoke>\n'
-        text = f"</think>\n\n<minimax:tool_call>\n{call}{call}</minimax:tool_call>[e~["
+        text = f"\n</think>\n\n<minimax:tool_call>\n{call}{call}</minimax:tool_call>[e~["
     c = gc.tool_calls(TOOLS, names=["noop"], parallel=True)
     ids = s.tok.encode(text)
     for t in ids:
@@ -439,7 +442,7 @@ def test_reasoning_closed_by_the_model(family, vocab):
     opening, closing = {
         "harmony": ("<|channel|>analysis<|message|>", "<|end|><|start|>assistant"),
         "qwen3": ("<think>\n", "\n</think>\n\n"),
-        "minimax_m2": ("", "</think>\n\n"),
+        "minimax_m2": ("", "\n</think>\n\n"),
     }[family]
     prefix = s.tok.encode(f"{opening}Let me think.\nOk.{closing}")
     c = s.compiler(family).tool_calls(TOOLS, names=["get_weather"], reasoning_budget=64)
@@ -455,7 +458,7 @@ def test_reasoning_closed_by_the_model(family, vocab):
     ("harmony", "o200k", " to=functions.get_weather<|channel|>commentary <|constrain|>json"
                          '<|message|>{"city": "'),
     ("llama3", "tiny_chatml", '{"name": "get_weather", "parameters": {"city": "'),
-    ("minimax_m2", "tiny_minimax", '</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">'
+    ("minimax_m2", "tiny_minimax", '\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">'
                                    '\n<parameter name="city">'),
 ])
 def test_forced_tokens(family, vocab, fixed):
@@ -476,7 +479,7 @@ def test_forced_tokens(family, vocab, fixed):
     assert ids == s.tok.encode(text)
     # a key opening: after the city's value and the separator, the next required key is fixed
     c = s.compiler(family).json_document(WEATHER)
-    opening = {"harmony": "<|channel|>final<|message|>", "minimax_m2": "</think>\n\n"}
+    opening = {"harmony": "<|channel|>final<|message|>", "minimax_m2": "\n</think>\n\n"}
     feed_text(c, s, opening.get(family, "") + '{"city": "x",')
     after = s.text(c.forced())
     assert len(after) >= 5 and ' "days": '.startswith(after), after

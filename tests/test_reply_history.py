@@ -10,7 +10,13 @@ from akv_jax.cache.ops import OpHistory, parse_history
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.model.vocabularies import o200k_harmony_tokenizer, qwen3_tokenizer
 from akv_jax.serving.removed_reasoning import removed_span, segment_history
-from akv_jax.serving.reply_record import ReplyRecord, as_generated, message_key, reply_key
+from akv_jax.serving.reply_record import (
+    ReplyRecord,
+    as_generated,
+    message_key,
+    partly_generated,
+    reply_key,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,21 @@ def test_a_different_text_is_left_alone(qwen3):
     gp = qwen3.encode("<|im_start|>assistant\n")
     segment = qwen3.encode("<|im_start|>assistant\nhello there<|im_end|>\n")
     assert as_generated(segment, [*gp, *spelled(qwen3, "hello", " world")], qwen3) is segment
+
+
+def test_a_reply_rendered_otherwise_keeps_its_common_prefix(qwen3):
+    """MiniMax-M2's template renders a newline before a call block that the model did not
+    write: the generated ids are kept up to where the texts part, the rest re-tokenized."""
+    gp = qwen3.encode("<|im_start|>assistant\n")
+    generated = [*gp, *spelled(qwen3, "<think>\n", "hm", "m\n</think>\n\n", "<tool_call>", "x")]
+    text = "<|im_start|>assistant\n<think>\nhmm\n</think>\n\n\n<tool_call>x<|im_end|>\n"
+    segment = qwen3.encode(text)
+    assert as_generated(segment, generated, qwen3) is segment
+    got = partly_generated(segment, generated, qwen3)
+    assert qwen3.decode(got) == text
+    kept = len(generated) - 2  # all but "<tool_call>" and "x"
+    assert got[:kept] == generated[:kept] and got[kept] != generated[kept]
+    assert partly_generated(segment, qwen3.encode("nothing alike"), qwen3) is segment
 
 
 def test_record_keys_and_bound():

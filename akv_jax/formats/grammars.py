@@ -223,12 +223,14 @@ def llama3(vocab: Vocab, tools: Sequence[Tool] | None, schema: dict[str, Any] | 
 
 def minimax_m2(vocab: Vocab, tools: Sequence[Tool] | None, schema: dict[str, Any] | None,
                budget: int, parallel: bool) -> str:
-    """MiniMax-M2: the reasoning the generation prompt opened, ``</think>\\n\\n``, then one
-    ``<minimax:tool_call>`` block (one invoke, or with ``parallel`` one or more) or the
-    document, then EOS."""
+    """MiniMax-M2: the reasoning the generation prompt opened, ``\\n</think>\\n\\n`` (as
+    the template renders it back), then one ``<minimax:tool_call>`` block (one invoke, or
+    with ``parallel`` one or more) or the document, then EOS. The template renders one more
+    newline before a block than the model writes; the cache hit stops there
+    (:func:`akv_jax.serving.reply_record.partly_generated`)."""
     rules = Rules()
-    head = (reasoning(rules, vocab, "</think>", budget) if budget > 0
-            else vocab.seq("</think>"))
+    head = (reasoning(rules, vocab, "\n</think>", budget) if budget > 0
+            else vocab.seq("\n</think>"))
     head = f"{head} {literal(NL * 2)} "
     if tools is None:
         return rules.text(f"{head}{rules.add(json_schema(schema or ANY_OBJECT))} {vocab.eos()}")

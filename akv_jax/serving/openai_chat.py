@@ -29,7 +29,13 @@ from akv_jax.errors import InvalidField
 from akv_jax.formats.reply import Reply, ReplyDelta
 from akv_jax.serving import protocol
 from akv_jax.serving.removed_reasoning import SplitMessage, removed_span, segment_history
-from akv_jax.serving.reply_record import ReplyRecord, as_generated, message_key, reply_key
+from akv_jax.serving.reply_record import (
+    ReplyRecord,
+    as_generated,
+    message_key,
+    partly_generated,
+    reply_key,
+)
 from akv_jax.serving.reply_stream import ReplyStream, merged
 from akv_jax.serving.responses import (
     SSE_DONE,
@@ -171,12 +177,14 @@ class ChatCompletions:
             if ids is None:
                 continue
             seg = as_generated(segments[i], ids, tok)
-            if seg is not segments[i]:
-                segments[i] = seg
-            elif inp.removed_reasoning == "drop":
+            if seg is segments[i] and inp.removed_reasoning == "drop":
                 split = removed_span(ids, segments[i], tok)
                 if split is not None:
                     splits[i] = split
+                    continue
+            if seg is segments[i]:
+                seg = partly_generated(segments[i], ids, tok)
+            segments[i] = seg
         if not splits:
             return segments, history
         out: list[list[int]] = []

@@ -9,9 +9,10 @@ or, for a reply without calls, its content.
 
 Only the tokenization changes, never the text: :func:`as_generated` uses the recorded ids for
 a message's segment only where they decode to a prefix of that segment's own rendered text,
-and tokenizes the rest of the text (the template's end-of-message markup) after them. A
-template that renders the reply differently (another call syntax, reasoning removed) simply
-misses, as it would without the record.
+and tokenizes the rest of the text (the template's end-of-message markup) after them. Where
+the template renders the reply otherwise (MiniMax-M2 puts a newline before a call block that
+the model did not write), :func:`partly_generated` keeps the longest such prefix, so the
+cache hit ends where the texts part, not at the reply's first token.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ReplyRecord", "as_generated", "reply_key"]
+__all__ = ["ReplyRecord", "as_generated", "message_key", "partly_generated", "reply_key"]
 
 Key = tuple[Any, ...]
 
@@ -92,3 +93,28 @@ def as_generated(segment: list[int], generated: Sequence[int], tokenizer: Any) -
             rest = text[len(head):]
             return [*generated[:k], *(tokenizer.encode(rest) if rest else [])]
     return segment
+
+
+def partly_generated(segment: list[int], generated: Sequence[int], tokenizer: Any) -> list[int]:
+    """``segment`` re-tokenized to start with the longest prefix of ``generated`` whose text
+    is a prefix of the segment's text; ``segment`` itself when not even the first id does.
+
+    Bisected on "one of the prefixes ``k`` .. ``k + 3`` matches", which holds for every ``k``
+    up to the longest match and for none past it: a prefix that ends inside a multi-byte
+    character (up to 3 of its bytes) decodes to U+FFFD and never matches by itself."""
+    text = tokenizer.decode(segment)
+
+    def matches(k: int) -> bool:
+        return text.startswith(tokenizer.decode(list(generated[:k])))
+
+    lo, hi = 0, len(generated)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if any(matches(k) for k in range(mid, min(mid + 4, len(generated) + 1))):
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        return segment
+    rest = text[len(tokenizer.decode(list(generated[:lo]))):]
+    return [*generated[:lo], *(tokenizer.encode(rest) if rest else [])]
