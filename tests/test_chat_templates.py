@@ -17,7 +17,7 @@ Oracles:
   Processing Format").
 
 Consecutive tool results (parallel calls) are one turn in Qwen3's and MiniMax-M2's formats;
-encode_messages cannot yet cut that turn into its messages (strict xfails below).
+encode_messages cuts that turn into one segment per result.
 """
 
 from __future__ import annotations
@@ -353,8 +353,6 @@ def test_qwen3_agent_conversation_segments(qwen_toks, form):
     assert [i for i in ids if i >= 151643] == [bpe.token_to_id(t) for t in markup]
 
 
-@pytest.mark.xfail(raises=TokenizerError, strict=True,
-                   reason="encode_messages cannot cut a turn of several tool results yet")
 def test_qwen3_parallel_tool_results_are_segments(qwen_toks):
     """The documentation's two calls and two results: each result its own segment, the turn's
     markup split between them."""
@@ -533,8 +531,6 @@ def test_minimax_edits(minimax):
     assert [ours.token_to_id(t) for t in MINIMAX_M2_TINY_SPECIALS] == [509, 510, 511]
 
 
-@pytest.mark.xfail(raises=TokenizerError, strict=True,
-                   reason="encode_messages cannot cut a turn of several tool results yet")
 def test_minimax_parallel_tool_results_are_segments(minimax):
     ours, _ = minimax
     msgs = agent(ARGS)

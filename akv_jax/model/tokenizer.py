@@ -276,7 +276,7 @@ class ChatTokenizer:
                 if gen_prompt and followed.endswith(gen_prompt):
                     followed = followed[: len(followed) - len(gen_prompt)]
                 renderings.insert(0, followed)
-            end = _message_end(full, renderings, ends[-1] if ends else 0)
+            end = _message_end(full, renderings, ends[-1] if ends else 0, self._special_texts())
             if end is None:
                 raise TokenizerError(
                     f"cannot split the conversation into messages: message {i} "
@@ -295,6 +295,9 @@ class ChatTokenizer:
                     f"message {i} renders to no tokens; segments must be non-empty"
                 )
         return segments
+
+    def _special_texts(self) -> list[str]:
+        return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
 
     def _cut_full_encoding(self, full: str, ends: list[int]) -> list[list[int]]:
         enc = self.tokenizer.encode(full, add_special_tokens=False)
@@ -367,7 +370,9 @@ def _cached_bpe(
 _PIECES = re.compile(r"(<\|[^|<>\s]{1,64}\|>|\n)")
 
 
-def _message_end(full: str, renderings: Sequence[str], start: int) -> int | None:
+def _message_end(
+    full: str, renderings: Sequence[str], start: int, specials: Sequence[str]
+) -> int | None:
     """Where a message ends in ``full``, given ``renderings`` of the conversation up to and
     including it (as the last message, and as a message followed by the generation prompt),
     no earlier than ``start``.
@@ -379,7 +384,12 @@ def _message_end(full: str, renderings: Sequence[str], start: int) -> int | None
     final answer follows it, or keeps it while none does). Then, in pieces cut at
     special-token markers and newlines, the longest tail of the rendering found in ``full``
     after ``start`` ends the message where it is first found, provided the tail holds more than
-    markers and newlines (some of the message's own text).
+    markers and newlines (some of the message's own text). Each rendering is also tried
+    without the special tokens and whitespace it ends with, as a turn continued by the next
+    message (Qwen3's and MiniMax-M2's templates put consecutive tool results in one turn,
+    closed after the last of them): ``full`` must then go on there with no special token, and
+    have that closing later; such a candidate wins over the renderings as they are only with a
+    longer tail.
     """
     for r in renderings:
         if full.startswith(r) and len(r) >= start:
@@ -389,7 +399,10 @@ def _message_end(full: str, renderings: Sequence[str], start: int) -> int | None
     first = bisect.bisect_left(f_ends, start)  # the first piece at or after start
     sep = "\x00"
     hay = sep + sep.join(fp[first:]) + sep
-    for r in renderings:
+    best: tuple[int, int] | None = None  # (pieces in the tail, end): the first rendering's
+    candidates = [(r, "") for r in renderings]
+    candidates += [(u, r[len(u) :]) for r in renderings if (u := _unclosed(r, specials)) != r]
+    for r, closing in candidates:
         rp = [p for p in _PIECES.split(r) if p]
 
         def find(n: int, rp: list[str] = rp) -> int:
@@ -403,8 +416,27 @@ def _message_end(full: str, renderings: Sequence[str], start: int) -> int | None
         if not any(_PIECES.fullmatch(p) is None for p in tail):
             continue  # only markers and newlines: nothing of the message itself
         at = hay[: find(lo)].count(sep)  # pieces of full[first:] before the tail
-        return f_ends[first + at + lo]
-    return None
+        end = f_ends[first + at + lo]
+        if closing:
+            rest = full[end:]
+            head = rest.lstrip()
+            if rest.startswith(closing) or closing not in rest or any(
+                head.startswith(t) for t in specials
+            ):
+                continue  # not a turn the next message continues
+        if best is None or (closing and lo > best[0]):
+            best = (lo, end)
+    return None if best is None else best[1]
+
+
+def _unclosed(text: str, specials: Sequence[str]) -> str:
+    """``text`` without the special tokens and whitespace it ends with."""
+    while True:
+        out = text.rstrip()
+        out = next((out[: -len(t)] for t in specials if t and out.endswith(t)), out)
+        if out == text:
+            return text
+        text = out
 
 
 def _read_json(path: Path) -> dict[str, Any]:
