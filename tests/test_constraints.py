@@ -651,3 +651,36 @@ def test_mask_time_per_token(vocab, family, capsys):
         print(f"\n[mask time] {vocab} ({s.width} ids, {family}): {len(ms)} sampled tokens, "
               f"mean {ms.mean():.3f} ms, median {np.median(ms):.3f} ms, "
               f"p99 {np.percentile(ms, 99):.3f} ms per token")
+
+
+@pytest.mark.parametrize("vocab", ["tiny_chatml", "qwen3"])
+def test_reasoning_opened_by_the_prompt(vocab):
+    """A generation prompt that opens ``<think>`` (Qwen3-Thinking-2507's): the reply starts
+    inside the block, closes it within the budget, then calls."""
+    s = served(vocab)
+    gc = s.compiler("qwen3")
+    for seed, budget in ((0, 0), (1, 3), (2, 9)):
+        c = gc.tool_calls(TOOLS, names=["get_weather"], reasoning_budget=budget,
+                          reasoning_open=True)
+        text = s.text(generate(c, s, seed).ids)
+        reasoning, sep, rest = text.partition("\n</think>\n\n")
+        assert sep and "<think>" not in reasoning, text[:200]
+        assert len(s.tok.encode(reasoning)) <= budget + 1  # a cut may split a character
+        p = parse("qwen3", s, s.tok.encode(rest))
+        assert p.calls[0][0] == "get_weather"
+        jsonschema.validate(p.calls[0][1], WEATHER)
+
+
+def test_tool_use_reads_the_generation_prompt():
+    from akv_jax.serving.tool_use import ToolUse
+
+    tok = ChatTokenizer.qwen3()
+    use = ToolUse(tok, "qwen3_moe", 151936)
+    msgs = [{"role": "user", "content": "hi"}]
+    thinking = tok.encode_messages(msgs, add_generation_prompt=True)[-1]
+    closed = tok.encode_messages(msgs, add_generation_prompt=True, enable_thinking=False)[-1]
+    assert tok.decode(closed).endswith("<think>\n\n</think>\n\n")
+    assert not use.opens_reasoning(thinking) and not use.opens_reasoning(closed)
+    assert use.opens_reasoning(tok.encode("<|im_start|>assistant\n<think>\n"))
+    minimax = ToolUse(ChatTokenizer.byte_level_minimax_m2(512), "minimax_m2", 520)
+    assert minimax.opens_reasoning([])

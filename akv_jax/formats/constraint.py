@@ -94,15 +94,18 @@ class GrammarCompiler:
         if error:
             raise GrammarError(f"schema does not compile: {first_line(error)}")
 
-    def json_document(self, schema: dict | None, *, reasoning_budget: int = 0) -> TokenConstraint:
+    def json_document(
+        self, schema: dict | None, *, reasoning_budget: int = 0, reasoning_open: bool = False
+    ) -> TokenConstraint:
         """A JSON document (response_format): any JSON object when ``schema`` is None
-        (json_object), else one valid against ``schema`` (json_schema)."""
+        (json_object), else one valid against ``schema`` (json_schema). ``reasoning_open``:
+        the prompt left a ``<think>`` block open (Qwen3 family; MiniMax-M2's always does)."""
         budget = check_budget(reasoning_budget)
         if schema is not None:
             meta_check(schema)
         return self._constraint(
-            ["document", schema, budget],
-            lambda: self._grammar(None, schema, budget, parallel=False),
+            ["document", schema, budget, bool(reasoning_open)],
+            lambda: self._grammar(None, schema, budget, False, bool(reasoning_open)),
         )
 
     def tool_calls(
@@ -112,28 +115,33 @@ class GrammarCompiler:
         names: list[str] | None = None,
         parallel: bool = False,
         reasoning_budget: int = 0,
+        reasoning_open: bool = False,
     ) -> TokenConstraint:
         """Calls of the declared ``tools`` (OpenAI chat ``tools``): ``names`` the functions
         allowed (None: any declared one), ``parallel`` more than one call where the family
-        can say so (Qwen3, plain, MiniMax-M2; harmony and Llama 3 make one)."""
+        can say so (Qwen3, plain, MiniMax-M2; harmony and Llama 3 make one);
+        ``reasoning_open`` as for :meth:`json_document`."""
         budget = check_budget(reasoning_budget)
         chosen = select_tools(tools, names)
+        key = [[t.name, t.parameters] for t in chosen]
         return self._constraint(
-            ["tools", [[t.name, t.parameters] for t in chosen], bool(parallel), budget],
-            lambda: self._grammar(chosen, None, budget, parallel=bool(parallel)),
+            ["tools", key, bool(parallel), budget, bool(reasoning_open)],
+            lambda: self._grammar(chosen, None, budget, bool(parallel), bool(reasoning_open)),
         )
 
     # ---- compiling
 
     def _grammar(
-        self, tools: list[Tool] | None, schema: dict | None, budget: int, parallel: bool
+        self, tools: list[Tool] | None, schema: dict | None, budget: int, parallel: bool,
+        reasoning_open: bool,
     ) -> str:
         v, f = self.vocab, self.family
         try:
             if f == "harmony":
                 return grammars.harmony(v, tools, schema, budget)
             if f in ("qwen3", "plain"):
-                return grammars.chatml(v, tools, schema, budget, parallel, think=f == "qwen3")
+                return grammars.chatml(v, tools, schema, budget, parallel, think=f == "qwen3",
+                                       reasoning_open=reasoning_open)
             if f == "llama3":
                 return grammars.llama3(v, tools, schema)
             return grammars.minimax_m2(v, tools, schema, budget, parallel)

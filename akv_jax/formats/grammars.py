@@ -181,13 +181,19 @@ def harmony(vocab: Vocab, tools: Sequence[Tool] | None, schema: dict[str, Any] |
 
 
 def chatml(vocab: Vocab, tools: Sequence[Tool] | None, schema: dict[str, Any] | None,
-           budget: int, parallel: bool, think: bool) -> str:
+           budget: int, parallel: bool, think: bool, reasoning_open: bool = False) -> str:
     """Qwen3 (``think``) and plain: optional ``<think>`` block, then Hermes-style
     ``<tool_call>`` blocks (one, or with ``parallel`` one or more) or the document, then
-    ``<|im_end|>`` (the EOS where the vocabulary has no ``<|im_end|>``)."""
+    ``<|im_end|>`` (the EOS where the vocabulary has no ``<|im_end|>``). With
+    ``reasoning_open`` (the prompt opened the block, as Qwen3-Thinking-2507's does) the
+    reply starts inside it and must close it."""
     rules = Rules()
     head = ""
-    if think and budget > 0:
+    if think and reasoning_open:
+        text = (reasoning(rules, vocab, "\n</think>", budget) if budget > 0
+                else vocab.seq("\n</think>"))
+        head = rules.add(f"{text} {literal(NL * 2)}") + " "
+    elif think and budget > 0:
         text = reasoning(rules, vocab, "\n</think>", budget)
         head = rules.add(f"{vocab.seq('<think>')} {literal(NL)} {text} {literal(NL * 2)}")
         head += "? "

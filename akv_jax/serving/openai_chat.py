@@ -146,12 +146,13 @@ class ChatCompletions:
                 tl = await asyncio.to_thread(timeline, [len(s) for s in segments], history)
                 room = srv.max_position - tl.next_pos  # where generation starts (§2)
                 max_tokens = min(max_tokens, room) if room >= 1 else max_tokens
-        constraint = await asyncio.to_thread(self.tool_use.constraint, inp, max_tokens)
+        opens = bool(self.gen_prompt()) and self.tool_use.opens_reasoning(segments[-1])
+        constraint = await asyncio.to_thread(self.tool_use.constraint, inp, max_tokens, opens)
         sampling = dataclasses.replace(inp.sampling, max_new_tokens=max_tokens)
         req = srv.make_request(segments, history, sampling, inp.logprobs, constraint)
         await srv.check(req)
         run = Run(req.rid, sum(len(s) for s in segments))
-        parser = None if self.tool_use.family == "plain" else self.tool_use.parser(inp)
+        parser = None if self.tool_use.family == "plain" else self.tool_use.parser(inp, opens)
         return ChatTurn(inp, segments, req, run, ReplyStream(tok, parser, inp.stop))
 
     def _encode(self, inp: protocol.ChatInput) -> tuple[list[list[int]], OpHistory]:

@@ -22,7 +22,12 @@ from typing import Any
 
 from akv_jax.errors import InvalidField
 from akv_jax.formats.constraint import GrammarCompiler, GrammarError, TokenConstraint
-from akv_jax.formats.reply import ReplyParser, family_for, reply_parser
+from akv_jax.formats.reply import (
+    ReplyParser,
+    family_for,
+    prompt_opens_reasoning,
+    reply_parser,
+)
 from akv_jax.serving.protocol import ChatInput
 
 __all__ = ["ToolUse"]
@@ -59,9 +64,13 @@ class ToolUse:
         if inp.tools and not self.template_has_tools:
             raise InvalidField("tools", "this model's chat template cannot render tools")
 
-    def constraint(self, inp: ChatInput, max_tokens: int) -> TokenConstraint | None:
-        """The grammar ``inp``'s decoding is held to, or None (free decoding). Compiles the
-        schemas: a blocking call, for a worker thread."""
+    def constraint(
+        self, inp: ChatInput, max_tokens: int, reasoning_open: bool = False
+    ) -> TokenConstraint | None:
+        """The grammar ``inp``'s decoding is held to, or None (free decoding);
+        ``reasoning_open``: the generation prompt left a ``<think>`` block open
+        (:meth:`opens_reasoning`). Compiles the schemas: a blocking call, for a worker
+        thread."""
         budget = min(self.reasoning_budget, max(0, max_tokens // 2))
         choice = inp.tool_choice
         if choice == "required" or isinstance(choice, dict):
@@ -74,7 +83,7 @@ class ToolUse:
                 return self.compiler.tool_calls(
                     inp.tools or [], names=names,
                     parallel=inp.parallel_tool_calls and names is None,
-                    reasoning_budget=budget,
+                    reasoning_budget=budget, reasoning_open=reasoning_open,
                 )
             except GrammarError as e:
                 raise InvalidField("tools", str(e)) from None
@@ -87,7 +96,9 @@ class ToolUse:
             if schema is not None:
                 self._check_schema(schema, "response_format.json_schema.schema")
         try:
-            return self.compiler.json_document(schema, reasoning_budget=budget)
+            return self.compiler.json_document(
+                schema, reasoning_budget=budget, reasoning_open=reasoning_open
+            )
         except GrammarError as e:
             raise InvalidField("response_format", str(e)) from None
 
@@ -97,9 +108,19 @@ class ToolUse:
         except GrammarError as e:
             raise InvalidField(field, str(e)) from None
 
-    def parser(self, inp: ChatInput) -> ReplyParser:
+    def opens_reasoning(self, gen_prompt: list[int]) -> bool:
+        """Whether the generation prompt (its ids) leaves a ``<think>`` block open, so the
+        reply starts as reasoning: MiniMax-M2's always, Qwen3-Thinking-2507's; not Qwen3's
+        with ``enable_thinking`` false (it closes an empty block)."""
+        if self.family == "minimax_m2":
+            return True
+        return self.family == "qwen3" and prompt_opens_reasoning(
+            self.tokenizer.decode(gen_prompt)
+        )
+
+    def parser(self, inp: ChatInput, reasoning_open: bool = False) -> ReplyParser:
         """A fresh parser for one reply; with ``tool_choice`` none, calls are not parsed."""
         schemas = {t["function"]["name"]: t["function"].get("parameters")
                    for t in inp.tools or ()}
         return reply_parser(self.family, self.tokenizer, tools=inp.tool_choice != "none",
-                            tool_schemas=schemas or None)
+                            tool_schemas=schemas or None, reasoning_open=reasoning_open)
