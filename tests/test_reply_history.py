@@ -88,7 +88,7 @@ def test_record_keys_and_bound():
     assert message_key({"role": "assistant", "content": ""}) is None
     rec.remember(("calls", "call_1"), [1, 2])
     rec.remember(("content", "hi"), [3])
-    assert rec.lookup(("calls", "call_1")) == (1, 2)  # now the most recent
+    assert rec.lookup(("calls", "call_1")).ids == (1, 2)  # now the most recent
     rec.remember(("content", "x"), [4])
     assert rec.lookup(("content", "hi")) is None and len(rec) == 2
 

@@ -16,7 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from akv_jax.formats.reply import ReplyDelta, ToolCallDelta
-from akv_jax.formats.text_scan import TextCore, TextReplyParser, dumps_strict, refuse_constant
+from akv_jax.formats.text_scan import (
+    BufferedText,
+    TextReplyParser,
+    dumps_strict,
+    refuse_constant,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 MARKERS = (PYTHON_TAG,)
@@ -50,19 +55,12 @@ def parse_json_calls(text: str) -> list[tuple[str, str]] | None:
         return None
 
 
-class Llama3Text(TextCore):
+class Llama3Text(BufferedText):
     def __init__(self, *, tools: bool, call_id: Callable[[], str]):
         self.tools = tools
         self.call_id = call_id
         self.state = "start" if tools else "content"
         self.buf = ""
-
-    def feed(self, text: str) -> ReplyDelta:
-        self.buf += text
-        return self.run(final=False)
-
-    def close(self) -> ReplyDelta:
-        return self.run(final=True)
 
     def run(self, final: bool) -> ReplyDelta:
         if self.state == "start":

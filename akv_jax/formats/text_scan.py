@@ -145,6 +145,23 @@ class TextCore(abc.ABC):
         """The end of the text: release or resolve whatever is held."""
 
 
+class BufferedText(TextCore):
+    """A state machine over buffered text: what is fed is appended to ``buf`` and
+    :meth:`run` takes out what it can decide (everything, at the end)."""
+
+    buf: str
+
+    def feed(self, text: str) -> ReplyDelta:
+        self.buf += text
+        return self.run(final=False)
+
+    def close(self) -> ReplyDelta:
+        return self.run(final=True)
+
+    @abc.abstractmethod
+    def run(self, final: bool) -> ReplyDelta: ...
+
+
 class PlainText(TextCore):
     """Everything is content, as generated."""
 
@@ -186,7 +203,7 @@ class TextReplyParser(ReplyParser):
 BlockParser = Callable[[str], list[tuple[str, str]] | None]
 
 
-class TaggedText(TextCore):
+class TaggedText(BufferedText):
     """Optional ``<think>...</think>`` reasoning, then content with tool-call blocks
     (``START body END``): the shape Qwen3 (hermes) and MiniMax-M2 share.
 
@@ -227,13 +244,6 @@ class TaggedText(TextCore):
         self.reasoning = Trimmed()
         self.content = Trimmed()
         self.n_calls = 0
-
-    def feed(self, text: str) -> ReplyDelta:
-        self.buf += text
-        return self.run(final=False)
-
-    def close(self) -> ReplyDelta:
-        return self.run(final=True)
 
     def run(self, final: bool) -> ReplyDelta:
         out = ReplyDelta()

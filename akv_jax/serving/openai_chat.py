@@ -174,12 +174,13 @@ class ChatCompletions:
         history = protocol.chat_history(inp.cache, len(inp.messages), len(segments))
         splits: dict[int, SplitMessage] = {}
         for i, m in enumerate(inp.messages):
-            ids = self.record.lookup(message_key(m)) if m.get("role") == "assistant" else None
-            if ids is None:
+            rec = self.record.lookup(message_key(m)) if m.get("role") == "assistant" else None
+            if rec is None:
                 continue
+            ids = rec.ids
             seg = as_generated(segments[i], ids, tok)
             if seg is segments[i] and inp.removed_reasoning == "drop":
-                split = removed_span(ids, segments[i], tok)
+                split = removed_span(ids, segments[i], tok, rec.reply_start)
                 if split is not None:
                     splits[i] = split
                     continue
@@ -238,7 +239,7 @@ class ChatCompletions:
         """Keep the reply's ids (generation prompt first) for when it is sent back."""
         r = turn.reply.reply()
         key = reply_key(r.content, [c.id for c in r.tool_calls])
-        self.record.remember(key, [*turn.segments[-1], *turn.run.ids])
+        self.record.remember(key, [*turn.segments[-1], *turn.run.ids], len(turn.segments[-1]))
 
     async def _stream(self, turn: ChatTurn) -> AsyncIterator[str]:
         inp, run = turn.inp, turn.run

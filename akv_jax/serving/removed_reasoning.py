@@ -43,12 +43,16 @@ def _text_prefix(ids: Sequence[int], text: str, start: int, tokenizer: Any) -> i
 
 
 def removed_span(
-    generated: Sequence[int], segment: Sequence[int], tokenizer: Any
+    generated: Sequence[int], segment: Sequence[int], tokenizer: Any, reply_start: int = 0
 ) -> SplitMessage | None:
     """``segment`` (a message's ids as rendered now) served as ``generated`` (the ids the model
-    produced for it, generation prompt first) with a contiguous span of them removed: the
-    split ``(pre, removed, post)`` where ``pre + post`` reads as the segment's text, or None
-    if the text is not ``generated`` with one span taken out."""
+    produced for it, the generation prompt's ``reply_start`` ids first) with a contiguous span
+    of them removed: the split ``(pre, removed, post)`` where ``pre + post`` reads as the
+    segment's text, or None if the text is not ``generated`` with one span taken out.
+
+    Where several spans would do (the ids before a span equal its last ones: "<t" of a
+    byte-spelled ``<think>`` and of ``<tool_call>``), the earliest in the reply is taken:
+    the block the template left out, not a shifted copy of it."""
     text = tokenizer.decode(list(segment))
     a = _text_prefix(generated, text, 0, tokenizer)
     at = len(tokenizer.decode(list(generated[:a])))
@@ -63,6 +67,10 @@ def removed_span(
                 done = at + len(tokenizer.decode(list(tail)))
                 rest = text[done:]
                 post = [*tail, *(tokenizer.encode(rest) if rest else [])]
+                # Shifting the span left keeps pre + post the same ids.
+                while a > reply_start and generated[a - 1] == generated[b - 1]:
+                    a, b = a - 1, b - 1
+                    post.insert(0, generated[b])
                 return list(generated[:a]), list(generated[a:b]), post
     return None
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["ReplyRecord", "as_generated", "message_key", "partly_generated", "reply_key"]
+__all__ = [
+    "Recorded", "ReplyRecord", "as_generated", "message_key", "partly_generated", "reply_key",
+]
 
 Key = tuple[Any, ...]
 
@@ -47,28 +49,36 @@ def message_key(message: dict[str, Any]) -> Key | None:
     return reply_key(content if isinstance(content, str) else None, ids)
 
 
+class Recorded(NamedTuple):
+    """A reply on record: the ids fed and generated, the generation prompt's
+    ``reply_start`` ids first."""
+
+    ids: tuple[int, ...]
+    reply_start: int
+
+
 class ReplyRecord:
     """A bounded, least-recently-used map from reply keys to generated ids (thread-safe:
     the HTTP handlers write and read it from worker threads)."""
 
     def __init__(self, capacity: int = 4096):
         self.capacity = capacity
-        self._ids: collections.OrderedDict[Key, tuple[int, ...]] = collections.OrderedDict()
+        self._ids: collections.OrderedDict[Key, Recorded] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def remember(self, key: Key | None, ids: Sequence[int]) -> None:
+    def remember(self, key: Key | None, ids: Sequence[int], reply_start: int = 0) -> None:
         if key is None or self.capacity <= 0 or not ids:
             return
         with self._lock:
-            self._ids[key] = tuple(ids)
+            self._ids[key] = Recorded(tuple(ids), reply_start)
             self._ids.move_to_end(key)
             while len(self._ids) > self.capacity:
                 self._ids.popitem(last=False)
 
-    def lookup(self, key: Key | None) -> tuple[int, ...] | None:
+    def lookup(self, key: Key | None) -> Recorded | None:
         if key is None:
             return None
         with self._lock:
