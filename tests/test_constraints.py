@@ -277,6 +277,8 @@ def parse(family: str, s: Served, ids: list[int]) -> Parsed:
         if reasoning:  # the template renders it back as "<think>\n{reasoning}\n</think>"
             assert reasoning.endswith("\n")
             reasoning = reasoning[:-1]
+        if body.startswith("\n<minimax:tool_call>\n"):  # the newline the template renders
+            body = body[1:]
         if not body.startswith("<minimax:tool_call>\n"):
             return Parsed(reasoning, document=json.loads(body))
         m = re.fullmatch(r"<minimax:tool_call>\n(.*)</minimax:tool_call>", body, re.DOTALL)
@@ -402,7 +404,7 @@ def test_parallel_calls(family, vocab):
         text = f"{call}\n{call}<|im_end|>"
     else:
         call = '<invoke name="noop">\n<parameter name="k">[1, 2]</parameter>\n</invoke>\n'
-        text = f"\n</think>\n\n<minimax:tool_call>\n{call}{call}</minimax:tool_call>[e~["
+        text = f"\n</think>\n\n\n<minimax:tool_call>\n{call}{call}</minimax:tool_call>[e~["
     c = gc.tool_calls(TOOLS, names=["noop"], parallel=True)
     ids = s.tok.encode(text)
     for t in ids:
@@ -458,8 +460,8 @@ def test_reasoning_closed_by_the_model(family, vocab):
     ("harmony", "o200k", " to=functions.get_weather<|channel|>commentary <|constrain|>json"
                          '<|message|>{"city": "'),
     ("llama3", "tiny_chatml", '{"name": "get_weather", "parameters": {"city": "'),
-    ("minimax_m2", "tiny_minimax", '\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">'
-                                   '\n<parameter name="city">'),
+    ("minimax_m2", "tiny_minimax", '\n</think>\n\n\n<minimax:tool_call>\n'
+                                   '<invoke name="get_weather">\n<parameter name="city">'),
 ])
 def test_forced_tokens(family, vocab, fixed):
     """With one function named and no reasoning, everything up to the first argument's value

@@ -231,9 +231,9 @@ def minimax_m2(vocab: Vocab, tools: Sequence[Tool] | None, schema: dict[str, Any
                budget: int, parallel: bool) -> str:
     """MiniMax-M2: the reasoning the generation prompt opened, ``\\n</think>\\n\\n`` (as
     the template renders it back), then one ``<minimax:tool_call>`` block (one invoke, or
-    with ``parallel`` one or more) or the document, then EOS. The template renders one more
-    newline before a block than the model writes; the cache hit stops there
-    (:func:`akv_jax.serving.reply_record.partly_generated`)."""
+    with ``parallel`` one or more) after the newline the template puts before a block, or
+    the document, then EOS: a reply is written as the template renders it in later turns,
+    so the whole of it is found in the cache when it is sent back."""
     rules = Rules()
     head = (reasoning(rules, vocab, "\n</think>", budget) if budget > 0
             else vocab.seq("\n</think>"))
@@ -244,7 +244,7 @@ def minimax_m2(vocab: Vocab, tools: Sequence[Tool] | None, schema: dict[str, Any
     invoke = alternatives(invokes)
     body = f"{invoke}+" if parallel else invoke
     return rules.text(
-        f"{head}{vocab.seq('<minimax:tool_call>' + NL)} {body} "
+        f"{head}{vocab.seq(NL + '<minimax:tool_call>' + NL)} {body} "
         f"{vocab.seq('</minimax:tool_call>')} {vocab.eos()}"
     )
 
