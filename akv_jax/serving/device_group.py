@@ -164,6 +164,23 @@ def greedy_rows(logits: jax.Array) -> StepLogits:
     return StepLogits(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), m - lse, ok)
 
 
+@jax.jit
+def masked_greedy(logits: jax.Array, rows: jax.Array, bits: jax.Array):
+    """Rows ``rows`` of ``logits`` [R, V] under grammar masks ``bits`` [k, ceil(V/32)] (id
+    ``i`` allowed where bit ``i % 32`` of word ``i // 32`` is set, llguidance's layout):
+    each row's first largest allowed logit and its log-probability under the row's own
+    log-softmax (the model's, unmasked). Runs after the step's forward, so a constrained
+    greedy row never brings its logits to the host."""
+    x = logits[rows].astype(jnp.float32)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.uint32)
+    words = bits.astype(jnp.uint32)[:, ids // 32]
+    allowed = ((words >> (ids % 32)) & 1).astype(bool)
+    tok = jnp.argmax(jnp.where(allowed, x, -jnp.inf), axis=-1).astype(jnp.int32)
+    m = jnp.max(x, axis=-1)
+    lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=-1))
+    return tok, jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - lse
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh"), donate_argnums=(4,))
 def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows,
                   mesh=None, layer_list=None, packed=None):

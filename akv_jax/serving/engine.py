@@ -48,6 +48,7 @@ from akv_jax.cache.ops import OpHistory
 from akv_jax.cache.timeline import Timeline, timeline
 from akv_jax.serving.admission import check_request
 from akv_jax.serving.cache_manager import CacheManager
+from akv_jax.serving.constrained_rows import MaskedGreedy
 from akv_jax.serving.executor import Executor
 from akv_jax.serving.multihost import MultihostError, digest, is_peer_loss, peer_failure
 from akv_jax.serving.planner import Planner, PoolTooSmall
@@ -385,23 +386,31 @@ class Engine:
             except Exception as e:
                 events.extend(self._forward_failed(decode_pass, e, "decode"))
         # Grammar masks of constrained rows, computed while the forwards run (dispatch is
-        # asynchronous; a grammar's state depends only on tokens already sampled).
-        masks = {
-            r.rid: r.req.constraint.allowed()
-            for _, work, _ in parts for r, p in work
-            if p.logits_row >= 0 and r.req.constraint is not None and not r.resumed
-        }
+        # asynchronous; a grammar's state depends only on tokens already sampled); greedy
+        # ones are applied on the device, after the forward.
+        masks: dict[str, np.ndarray] = {}
+        masked: list[MaskedGreedy] = []
+        for _, work, out in parts:
+            m = MaskedGreedy()
+            for i, r in enumerate(r for r, p in work if p.logits_row >= 0):
+                c = r.req.constraint
+                if c is not None and not r.resumed:
+                    masks[r.rid] = c.allowed()
+                    if r.req.sampling.temperature == 0:
+                        m.add(r.rid, i, c.bitmask())
+            m.dispatch(out.logits)
+            masked.append(m)
         results = []
-        for what, work, out in parts:
+        for (what, work, out), m in zip(parts, masked, strict=True):
             try:
                 # The greedy summary only (a few numbers a row); a failed dispatch surfaces
                 # here. Full logits rows come to the host for the rows that sample.
                 greedy = (np.asarray(out.greedy), np.asarray(out.greedy_logprob),
                           np.asarray(out.ok))
-                results.append((work, out, greedy))
+                results.append((work, out, greedy, m))
             except Exception as e:
                 events.extend(self._forward_failed(work, e, what))
-        for work, out, (toks, lps, oks) in results:
+        for work, out, (toks, lps, oks), m in results:
             with_logits = [r for r, p in work if p.logits_row >= 0]
             for i, r in enumerate(with_logits):
                 try:
@@ -415,6 +424,7 @@ class Engine:
                     if r.req.constraint is not None:
                         events.extend(self._sample_constrained(
                             r, masks[r.rid], int(toks[i]) if greedy_ok else -1, float(lps[i]),
+                            m.result(r.rid) if greedy_ok else None,
                             lambda i=i, out=out: np.asarray(out.logits[i]),
                         ))
                     elif greedy_ok:
@@ -519,14 +529,17 @@ class Engine:
 
     def _sample_constrained(
         self, r: RequestState, allowed: np.ndarray, greedy: int, greedy_lp: float,
-        row: Callable[[], np.ndarray],
+        masked: tuple[int, float] | None, row: Callable[[], np.ndarray],
     ) -> list[TokenEvent]:
         """Sample under ``r``'s grammar: the logits row with every id the grammar forbids at
         ``-inf``, so an allowed token has the chance the free request would give it among
         the allowed ones. A greedy token the grammar allows is the masked row's greedy token
-        too (same first-index tie rule), so that row never leaves the device."""
+        too (same first-index tie rule); otherwise a greedy row's ``masked`` result, from
+        the device, is (so neither row leaves the device)."""
         if 0 <= greedy < allowed.size and allowed[greedy]:
             tok, logprob = greedy, greedy_lp
+        elif masked is not None and 0 <= masked[0] < allowed.size and allowed[masked[0]]:
+            tok, logprob = masked
         else:
             logits = row()
             width = min(allowed.size, logits.size)

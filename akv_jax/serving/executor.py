@@ -215,10 +215,13 @@ class Executor:
             num_segments=ns,
             max_pages=view_bucket(max(len(s.pages) for s in segs), ps),
         )
-        # Decode: one logits row per token, padded as the tokens are (the vocabulary matmul
+        # Decode: one logits row per request, padded as tokens are (the vocabulary matmul
         # streams the whole embedding; at 1 row it runs at the memory's speed, see
-        # token_bucket); prefill: one per request, padded to 8 (fewer shapes).
-        row_arr = np.zeros(T if block_q == 1 else bucket(len(rows), 8), np.int32)
+        # token_bucket): as many as the tokens, unless a pass feeds several tokens of a
+        # request (jump-forward), whose rows but the last need no logits. Prefill: one per
+        # request, padded to 8 (fewer shapes).
+        R = token_bucket(len(rows), 1) if block_q == 1 else bucket(len(rows), 8)
+        row_arr = np.zeros(R, np.int32)
         row_arr[: len(rows)] = rows
         writes_arr = KVWrites(slots=jnp.asarray(slot_arr), positions=jnp.asarray(pos_arr))
         return group.forward(
