@@ -124,3 +124,29 @@ def test_constrained_and_free_requests_share_batches_exactly(setup, jump_forward
                 assert g is None or np.isnan(g)
             else:
                 assert abs(g - w) <= LOGPROB_ATOL
+
+
+def test_masked_greedy_is_the_masked_rows_argmax():
+    """The device's masked argmax against numpy: llguidance's bit layout, a vocabulary that
+    is not a multiple of 32, ties (the first index wins), the unmasked log-softmax."""
+    import jax.numpy as jnp
+
+    from akv_jax.serving.device_group import masked_greedy
+
+    rng = np.random.default_rng(0)
+    R, V = 5, 100
+    logits = rng.integers(-3, 3, size=(R, V)).astype(np.float32)  # many ties
+    rows = np.array([4, 0, 2, 2], np.int32)
+    allowed = rng.random((len(rows), V)) < 0.3
+    allowed[:, 97] = True  # an id in the last, partial word
+    bits = np.zeros((len(rows), (V + 31) // 32), np.uint32)
+    for k, i in zip(*np.nonzero(allowed), strict=True):
+        bits[k, i // 32] |= np.uint32(1) << np.uint32(i % 32)
+    tok, lp = masked_greedy(jnp.asarray(logits), jnp.asarray(rows),
+                            jnp.asarray(bits.view(np.int32)))
+    for k, r in enumerate(rows):
+        x = logits[r].astype(np.float64)
+        want = int(np.argmax(np.where(allowed[k], x, -np.inf)))
+        assert int(tok[k]) == want
+        lse = x.max() + np.log(np.exp(x - x.max()).sum())
+        assert float(lp[k]) == pytest.approx(x[want] - lse, abs=1e-5)
