@@ -188,3 +188,18 @@ def test_bad_agent_requests_are_400(client, model):
             chat(client, model, **kw)
         assert info.value.body["param"] == field, info.value.body
     assert chat(client, model, max_tokens=2).choices[0].message.role == "assistant"
+
+
+def test_developer_message_reaches_the_prompt(client, model):
+    """OpenAI's instructions role: rendered by a template that has it (harmony's), and as a
+    system message by one that has not (Qwen3's and MiniMax-M2's drop it otherwise)."""
+    user = MESSAGES[1:]
+    note = {"role": "developer", "content": "Use metric units."}
+
+    def prompt_tokens(messages) -> int:
+        return chat(client, model, messages=messages, max_tokens=1).usage.prompt_tokens
+
+    with_note = prompt_tokens([note, *user])
+    assert with_note != prompt_tokens(user)  # (MiniMax-M2's default system text is longer)
+    if model not in ("tiny-gpt-oss", "tiny-gpt-oss-bpe"):
+        assert with_note == prompt_tokens([{**note, "role": "system"}, *user])

@@ -63,6 +63,8 @@ class ChatTurn:
     req: GenerateRequest
     run: Run
     reply: ReplyStream
+    # Generated tokens up to the last one that wrote reasoning (markup within included).
+    reasoning_tokens: int = 0
 
     def finish_reason(self) -> str | None:
         reason = self.run.finish_reason
@@ -162,12 +164,18 @@ class ChatCompletions:
         from akv_jax.model.tokenizer import TokenizerError
 
         tok = self.srv.tokenizer
+        messages = inp.messages
+        if "developer" not in tok.chat_template:
+            # A template without the role (Qwen3's, MiniMax-M2's) drops a developer message
+            # or renders it as nothing: OpenAI's instructions role becomes the system role.
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
+                        for m in messages]
         try:
             gp = self.gen_prompt()
             # The generation prompt is a segment of its own after the messages (DESIGN §2),
             # so the cache indices of the messages equal their segment indices.
             segments = tok.encode_messages(
-                inp.messages, add_generation_prompt=bool(gp), **inp.template_kwargs
+                messages, add_generation_prompt=bool(gp), **inp.template_kwargs
             )
         except TokenizerError as e:
             raise InvalidField("messages", str(e)) from None
@@ -219,6 +227,8 @@ class ChatCompletions:
                     stop_token = (ev.finished and run.finish_reason == "stop"
                                   and ev.token_id in stops)
                     delta = reply.push(ev.token_id, stop_token)
+                    if delta.reasoning:
+                        turn.reasoning_tokens = len(run.ids)
                     if req.return_logprob and content_lp is not None and not stop_token:
                         piece = srv.tokenizer.decode([ev.token_id])
                         content_lp.append({

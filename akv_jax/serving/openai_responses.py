@@ -68,9 +68,7 @@ class Responses:
         ))
 
     def _usage(self, turn: ChatTurn) -> Usage:
-        reasoning = turn.reply.reply().reasoning
-        tokens = len(self.srv.tokenizer.encode(reasoning)) if reasoning else 0
-        return Usage.from_chat(turn.run.usage(), reasoning_tokens=tokens)
+        return Usage.from_chat(turn.run.usage(), reasoning_tokens=turn.reasoning_tokens)
 
     async def _stream(self, turn: ChatTurn, body: ResponsesBody, rid: str
                       ) -> AsyncIterator[str]:
