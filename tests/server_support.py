@@ -16,6 +16,17 @@ from akv_jax.agent.launch import LocalServer
 # Tiny-model server settings shared by the tests (pool of 1024 pages of 16 tokens).
 TINY_ARGS = ("--model-path", "tiny", "--max-total-tokens", "16384", "--page-size", "16")
 
+# The tiny model of each agent-serving family, and the server the agents tests share for it
+# (a small reasoning budget: a random model reasons until the budget closes the block).
+AGENT_MODELS = ("tiny-gpt-oss", "tiny-gpt-oss-bpe", "tiny-qwen3-moe", "tiny-qwen3-moe-bpe",
+                "tiny-minimax-m2")
+
+
+def agent_server_args(model: str) -> tuple[str, ...]:
+    return ("--model-path", model, "--max-total-tokens", "8192", "--page-size", "16",
+            "--reasoning-budget", "6")
+
+
 _shared: dict[tuple[str, ...], LocalServer] = {}
 
 

@@ -16,10 +16,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from server_support import shared_server
-
-MODELS = ("tiny-gpt-oss", "tiny-gpt-oss-bpe", "tiny-qwen3-moe", "tiny-qwen3-moe-bpe",
-          "tiny-minimax-m2")
+from server_support import AGENT_MODELS, agent_server_args, shared_server
 
 WEATHER = {
     "type": "object",
@@ -61,21 +58,14 @@ MESSAGES = [
 ]
 
 
-
-
-def server_args(model: str) -> tuple[str, ...]:
-    return ("--model-path", model, "--max-total-tokens", "8192", "--page-size", "16",
-            "--reasoning-budget", "6")
-
-
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=AGENT_MODELS)
 def model(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
 def client(model):
-    srv = shared_server(server_args(model))
+    srv = shared_server(agent_server_args(model))
     with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
                        timeout=300) as c:
         yield c

@@ -47,10 +47,8 @@ from agents import (
     function_tool,
 )
 from pydantic import BaseModel, Field
-from server_support import shared_server
+from server_support import AGENT_MODELS, agent_server_args, shared_server
 
-MODELS = ("tiny-gpt-oss", "tiny-gpt-oss-bpe", "tiny-qwen3-moe", "tiny-qwen3-moe-bpe",
-          "tiny-minimax-m2")
 APIS = ("chat", "responses")
 INSTRUCTIONS = "You are a weather agent."
 QUESTION = "What is the weather in Paris for 3 days?"
@@ -62,20 +60,14 @@ DROP_REMOVED_REASONING = {"cache": {"removed_reasoning": "drop"}}
 agents.set_tracing_disabled(True)
 
 
-def server_args(model: str) -> tuple[str, ...]:
-    # test_agents_chat.py's arguments: one server per model serves both modules.
-    return ("--model-path", model, "--max-total-tokens", "8192", "--page-size", "16",
-            "--reasoning-budget", "6")
-
-
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=AGENT_MODELS)
 def model(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
 def url(model):
-    return shared_server(server_args(model)).url + "/v1"
+    return shared_server(agent_server_args(model)).url + "/v1"
 
 
 # --------------------------------------------------------------------------- the Agents SDK

@@ -41,11 +41,9 @@ from akv_jax.serving.responses import (
     SSE_DONE,
     SSE_HEADERS,
     Run,
-    failure,
+    drain,
     failure_event,
-    gone,
     sse,
-    unless_disconnected,
 )
 from akv_jax.serving.tool_use import ToolUse
 from akv_jax.serving.types import GenerateRequest
@@ -102,16 +100,8 @@ class ChatCompletions:
                 self._stream(turn), media_type="text/event-stream", headers=SSE_HEADERS,
             )
         content_lp: list[dict[str, Any]] = []
-
-        async def collect() -> None:
-            async for _ in self.deltas(turn, content_lp):
-                pass
-
-        try:
-            if not await unless_disconnected(request, collect()):
-                return gone()
-        except Exception as e:
-            return failure(e)
+        if (answer := await drain(request, self.deltas(turn, content_lp))) is not None:
+            return answer
         run = turn.run
         choice = {
             "index": 0,

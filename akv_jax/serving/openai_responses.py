@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from akv_jax.errors import InvalidField
 from akv_jax.serving import protocol
 from akv_jax.serving.openai_chat import ChatTurn
-from akv_jax.serving.responses import SSE_HEADERS, failure, gone, unless_disconnected
+from akv_jax.serving.responses import SSE_HEADERS, drain
 from akv_jax.serving.responses_api import (
     ResponseEvents,
     ResponsesBody,
@@ -50,15 +50,9 @@ class Responses:
             return StreamingResponse(self._stream(turn, body, rid),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
 
-        async def collect() -> None:
-            async for _ in srv.chat.deltas(turn, endpoint="responses"):
-                pass
-
-        try:
-            if not await unless_disconnected(request, collect()):
-                return gone()
-        except Exception as e:
-            return failure(e)
+        answer = await drain(request, srv.chat.deltas(turn, endpoint="responses"))
+        if answer is not None:
+            return answer
         r = turn.reply.reply()
         return JSONResponse(response_object(
             body, reasoning=r.reasoning, content=r.content,

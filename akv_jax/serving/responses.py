@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import Request
@@ -101,6 +101,22 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, None])
         return False
     task.result()  # its exception, if it raised
     return True
+
+
+async def drain(request: Request, stream: AsyncIterator[Any]) -> Response | None:
+    """Run ``stream`` to its end for a non-streamed answer: None once it has, else the answer
+    to give instead (499 if the client left first, the error if generation failed)."""
+
+    async def work() -> None:
+        async for _ in stream:
+            pass
+
+    try:
+        if not await unless_disconnected(request, work()):
+            return gone()
+    except Exception as e:
+        return failure(e)
+    return None
 
 
 def _logprob(lp: float | None) -> float | None:
