@@ -1,0 +1,172 @@
+"""Host cost against history length (issue 35): does a turn cost what is new, and a decode step
+what is still attended?
+
+    python bench/host.py [--histories 2048 8192 32768 131072] [--repeats 5] [--out PATH]
+
+A ``tiny`` server (``--context-length`` and pool sized for the longest history, page size 16)
+answers over HTTP ``/generate`` with token ids (no tokenizer in the way):
+
+* **cached request**: a history of ``H`` random tokens in 512-token segments is sent once
+  (unmeasured: it fills the cache), then ``--repeats`` requests each append one fresh
+  one-token segment and generate one token; the figure is the median client-side latency.
+  The same again with a drop of the first 75% of the history's segments at its last
+  boundary (the op is part of every request, as an agent resends it).
+* **decode**: 64 greedy tokens streamed after a cached prompt, per-token time = (last token -
+  first token) / 63, median over repeats: a 32K history with 75% dropped (8K active) against
+  an 8K history with nothing dropped (the same active tokens).
+* **host stages**, in process on the same request bodies (no server): JSON decoding and
+  validation (``protocol.parse_generate``), radix keys (``radix.request_keys``) and the
+  timeline (``cache.timeline.timeline``). The engine's match, plan and pack stages are not
+  split out yet.
+
+Results go to bench/results/host.json; the last line printed is
+
+    host: cached request 32K/2K history X.XXx time, decode with 75% dropped Y.YYx of the
+    same active tokens undropped
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from provenance import git_head
+
+from akv_jax.agent.launch import LocalServer
+from akv_jax.cache.timeline import timeline
+from akv_jax.model.config import tiny_config
+from akv_jax.serving import protocol
+from akv_jax.serving.radix import request_keys
+
+SEGMENT = 512
+VOCAB = 500  # the tiny model's byte ids (its special ids left out)
+DECODE_NEW = 64
+
+
+def history(rng: np.random.Generator, n: int) -> list[list[int]]:
+    ids = rng.integers(0, VOCAB, size=n).tolist()
+    return [ids[i:i + SEGMENT] for i in range(0, n, SEGMENT)]
+
+
+def dropped(segs: list[list[int]], fraction: float) -> dict:
+    """A drop of the first ``fraction`` of the segments (not the first: a system prompt)
+    at the history's last boundary."""
+    k = int(len(segs) * fraction)
+    return {"drop": {str(len(segs) - 1): list(range(1, k + 1))}} if k else {}
+
+
+def body(segs: list[list[int]], cache: dict, new: int, stream: bool = False) -> dict:
+    return {"input_ids": segs, "cache": cache, "stream": stream,
+            "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+
+
+def timed(client: httpx.Client, b: dict) -> float:
+    t0 = time.perf_counter()
+    r = client.post("/generate", json=b)
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def cached_request(client: httpx.Client, segs: list[list[int]], cache: dict,
+                   repeats: int, rng: np.random.Generator) -> float:
+    timed(client, body(segs, cache, 1))  # fills the cache
+    times = [timed(client, body([*segs, [int(rng.integers(0, VOCAB))]], cache, 1))
+             for _ in range(repeats)]
+    return statistics.median(times)
+
+
+def decode_per_token(client: httpx.Client, segs: list[list[int]], cache: dict,
+                     repeats: int) -> float:
+    timed(client, body(segs, cache, 1))
+    out = []
+    for _ in range(repeats):
+        stamps = []
+        with client.stream("POST", "/generate", json=body(segs, cache, DECODE_NEW, True)) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    stamps.append(time.perf_counter())
+        out.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return statistics.median(out)
+
+
+def host_stages(segs: list[list[int]], cache: dict, repeats: int) -> dict[str, float]:
+    raw = json.dumps(body(segs, cache, 1))
+    limits = protocol.Limits()
+    stages: dict[str, list[float]] = {"parse_validate_s": [], "keys_s": [], "timeline_s": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        inp = protocol.parse_generate(json.loads(raw), limits, tiny_config().vocab_size)
+        t1 = time.perf_counter()
+        request_keys(inp.segments, inp.history)
+        t2 = time.perf_counter()
+        timeline([len(s) for s in inp.segments], inp.history)
+        t3 = time.perf_counter()
+        for k, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            stages[k].append(dt)
+    return {k: statistics.median(v) for k, v in stages.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--histories", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/host.json")
+    args = ap.parse_args(argv)
+    longest = max(args.histories)
+    ctx = longest + 4096
+    rng = np.random.default_rng(0)
+    server = ["--model-path", "tiny", "--context-length", str(ctx),
+              "--max-total-tokens", str(2 * ctx), "--page-size", "16"]
+    t_start = time.perf_counter()
+    rows = []
+    with LocalServer(server) as srv, httpx.Client(base_url=srv.url, timeout=600) as client:
+        for h in args.histories:
+            segs = history(rng, h)
+            row = {"history": h, "segments": len(segs)}
+            row["cached_s"] = cached_request(client, segs, {}, args.repeats, rng)
+            drop = dropped(segs, 0.75)
+            row["cached_dropped_s"] = cached_request(client, segs, drop, args.repeats, rng)
+            row["host_stages"] = host_stages([*segs, [1]], {}, args.repeats)
+            rows.append(row)
+            print(f"history {h:>7}: cached request {row['cached_s'] * 1e3:7.1f} ms, "
+                  f"75% dropped {row['cached_dropped_s'] * 1e3:7.1f} ms; host stages "
+                  + ", ".join(f"{k[:-2]} {v * 1e3:.1f} ms"
+                              for k, v in row["host_stages"].items()), flush=True)
+        full = history(rng, 8192)
+        long = history(rng, 32768)
+        undropped = decode_per_token(client, full, {}, args.repeats)
+        with_drop = decode_per_token(client, long, dropped(long, 0.75), args.repeats)
+        client.post("/flush_cache")
+    by_h = {r["history"]: r for r in rows}
+    cached_ratio = (by_h[32768]["cached_s"] / by_h[2048]["cached_s"]
+                    if 32768 in by_h and 2048 in by_h else float("nan"))
+    decode_ratio = with_drop / undropped
+    result = {
+        "what": "host cost against history length, tiny model over HTTP /generate",
+        "command": "python bench/host.py " + " ".join(argv or []),
+        "git_head": git_head(),
+        "server_args": server,
+        "repeats": args.repeats,
+        "cached": rows,
+        "decode_per_token_s": {"8K_undropped": undropped, "32K_75pct_dropped": with_drop},
+        "ratios": {"cached_32K_over_2K": cached_ratio, "decode_dropped_over_undropped":
+                   decode_ratio},
+        "targets": {"cached_32K_over_2K": 2.0, "decode_dropped_over_undropped": 1.15},
+        "wall_s": time.perf_counter() - t_start,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"decode per token: 8K undropped {undropped * 1e3:.2f} ms, 32K with 75% dropped "
+          f"{with_drop * 1e3:.2f} ms")
+    print(f"host: cached request 32K/2K history {cached_ratio:.2f}x time, decode with 75% "
+          f"dropped {decode_ratio:.2f}x of the same active tokens undropped")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
