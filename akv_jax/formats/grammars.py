@@ -201,11 +201,7 @@ def chatml(vocab: Vocab, tools: Sequence[Tool] | None, schema: dict[str, Any] | 
     if tools is None:
         doc = rules.add(json_schema(schema or ANY_OBJECT))
         return rules.text(f"{head}{doc} {end}")
-    fns = []
-    for tool in tools:
-        args = rules.add(json_schema(tool.parameters))
-        prefix = '{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
-        fns.append(rules.add(f'{literal(prefix)} {args} "}}"'))
+    fns = json_calls(rules, tools, "arguments")
     call = rules.add(
         f"{vocab.seq('<tool_call>')} {literal(NL)} {alternatives(fns)} "
         f"{literal(NL)} {vocab.seq('</tool_call>')}"
@@ -219,12 +215,19 @@ def llama3(vocab: Vocab, tools: Sequence[Tool] | None, schema: dict[str, Any] | 
     rules = Rules()
     if tools is None:
         return rules.text(f"{rules.add(json_schema(schema or ANY_OBJECT))} {vocab.eos()}")
+    return rules.text(f"{alternatives(json_calls(rules, tools, 'parameters'))} {vocab.eos()}")
+
+
+def json_calls(rules: Rules, tools: Sequence[Tool], arguments: str) -> list[str]:
+    """One rule per tool for its JSON call ``{"name": NAME, ARGUMENTS: {...}}`` (the key
+    Qwen3's hermes calls name "arguments" and Llama 3's "parameters")."""
     fns = []
     for tool in tools:
         args = rules.add(json_schema(tool.parameters))
-        prefix = '{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "parameters": '
+        prefix = ('{"name": ' + json.dumps(tool.name, ensure_ascii=False)
+                  + f', "{arguments}": ')
         fns.append(rules.add(f'{literal(prefix)} {args} "}}"'))
-    return rules.text(f"{alternatives(fns)} {vocab.eos()}")
+    return fns
 
 
 def minimax_m2(vocab: Vocab, tools: Sequence[Tool] | None, schema: dict[str, Any] | None,

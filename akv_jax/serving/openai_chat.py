@@ -80,6 +80,10 @@ class ChatCompletions:
         self._gen_prompt: list[int] | None = None
         self.record = ReplyRecord(srv.limits.reply_record)
         tok = srv.tokenizer
+        # A template without the role (Qwen3's, MiniMax-M2's) drops a developer message or
+        # renders it as nothing: OpenAI's instructions role becomes the system role.
+        template = getattr(tok, "chat_template", None) or ""
+        self.developer_as_system = "developer" not in template
         self.tool_use = None if tok is None else ToolUse(
             tok, srv.arch, srv.vocab_size or tok.vocab_size, family=srv.reply_format,
             reasoning_budget=srv.limits.reasoning_budget,
@@ -155,9 +159,7 @@ class ChatCompletions:
 
         tok = self.srv.tokenizer
         messages = inp.messages
-        if "developer" not in tok.chat_template:
-            # A template without the role (Qwen3's, MiniMax-M2's) drops a developer message
-            # or renders it as nothing: OpenAI's instructions role becomes the system role.
+        if self.developer_as_system:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
                         for m in messages]
         try:
