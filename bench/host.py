@@ -14,10 +14,18 @@ answers over HTTP ``/generate`` with token ids (no tokenizer in the way):
 * **decode**: 64 greedy tokens streamed after a cached prompt, per-token time = (last token -
   first token) / 63, median over repeats: a 32K history with 75% dropped (8K active) against
   an 8K history with nothing dropped (the same active tokens).
-* **host stages**, in process on the same request bodies (no server): JSON decoding and
-  validation (``protocol.parse_generate``), radix keys (``radix.request_keys``) and the
-  timeline (``cache.timeline.timeline``). The engine's match, plan and pack stages are not
-  split out yet.
+* **host stages**, in process on the same request bodies, with an :class:`Engine` of the
+  same configuration whose cache holds the history: ``parse`` (the JSON body as the
+  server reads it: segments sent before from ``SegmentMemo``, the rest by
+  ``protocol.parse_json_body``), ``validate`` (``protocol.parse_generate``: types, token
+  ranges, the op history), ``prepare`` (``Engine.prepare``: admission, timeline, radix
+  keys; the API runs it in a worker thread), and of the engine step that admits the
+  request: ``match`` (the radix tree), ``plan`` (the rest of ``Planner.plan``) and ``pack``
+  (``Executor.run`` without the forward: padded arrays, segment batch, transfers). The
+  forward itself runs asynchronously and is not counted.
+
+Bodies are encoded once, before timing: what an agent spends serialising its own request is
+not the server's work.
 
 Results go to bench/results/host.json; the last line printed is
 
@@ -38,10 +46,12 @@ import numpy as np
 from provenance import git_head
 
 from akv_jax.agent.launch import LocalServer
-from akv_jax.cache.timeline import timeline
-from akv_jax.model.config import tiny_config
 from akv_jax.serving import protocol
-from akv_jax.serving.radix import request_keys
+from akv_jax.serving.engine import Engine
+from akv_jax.serving.main import with_context_length
+from akv_jax.serving.segment_memo import SegmentMemo
+from akv_jax.serving.types import GenerateRequest
+from converters.loading import load_model
 
 SEGMENT = 512
 VOCAB = 500  # the tiny model's byte ids (its special ids left out)
@@ -65,24 +75,28 @@ def body(segs: list[list[int]], cache: dict, new: int, stream: bool = False) -> 
             "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
 
 
-def timed(client: httpx.Client, b: dict) -> float:
+def encoded(b: dict) -> bytes:
+    return json.dumps(b).encode()
+
+
+def timed(client: httpx.Client, raw: bytes) -> float:
     t0 = time.perf_counter()
-    r = client.post("/generate", json=b)
+    r = client.post("/generate", content=raw, headers={"content-type": "application/json"})
     r.raise_for_status()
     return time.perf_counter() - t0
 
 
 def cached_request(client: httpx.Client, segs: list[list[int]], cache: dict,
                    repeats: int, rng: np.random.Generator) -> float:
-    timed(client, body(segs, cache, 1))  # fills the cache
-    times = [timed(client, body([*segs, [int(rng.integers(0, VOCAB))]], cache, 1))
-             for _ in range(repeats)]
-    return statistics.median(times)
+    timed(client, encoded(body(segs, cache, 1)))  # fills the cache
+    raws = [encoded(body([*segs, [int(rng.integers(0, VOCAB))]], cache, 1))
+            for _ in range(repeats)]
+    return statistics.median([timed(client, raw) for raw in raws])
 
 
 def decode_per_token(client: httpx.Client, segs: list[list[int]], cache: dict,
                      repeats: int) -> float:
-    timed(client, body(segs, cache, 1))
+    timed(client, encoded(body(segs, cache, 1)))
     out = []
     for _ in range(repeats):
         stamps = []
@@ -95,20 +109,76 @@ def decode_per_token(client: httpx.Client, segs: list[list[int]], cache: dict,
     return statistics.median(out)
 
 
-def host_stages(segs: list[list[int]], cache: dict, repeats: int) -> dict[str, float]:
-    raw = json.dumps(body(segs, cache, 1))
-    limits = protocol.Limits()
-    stages: dict[str, list[float]] = {"parse_validate_s": [], "keys_s": [], "timeline_s": []}
-    for _ in range(repeats):
+class StageTimer:
+    """Wraps methods so that each call's time is added to a named stage."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+        timer = self
+
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, attr, wrapped)
+
+
+def in_process_engine(ctx: int) -> tuple[Engine, StageTimer]:
+    model = with_context_length(load_model("tiny", "float32"), ctx, True)
+    eng = Engine(model, max_total_tokens=2 * ctx, page_size=16)
+    timer = StageTimer()
+    timer.wrap(eng.cache, "match", "match")
+    timer.wrap(eng.planner, "plan", "plan")
+    timer.wrap(eng.executor, "run", "pack")
+    timer.wrap(eng.executor.prefill, "forward", "forward")
+    return eng, timer
+
+
+def run_to_end(eng: Engine, raw: bytes, limits: protocol.Limits) -> None:
+    inp = protocol.parse_generate(protocol.parse_json_body(raw, limits), limits,
+                                  eng.cfg.vocab_size)
+    eng.add_request(GenerateRequest("fill", inp.segments, inp.history, inp.sampling))
+    while eng.has_work():
+        eng.step()
+
+
+def host_stages(eng: Engine, timer: StageTimer, segs: list[list[int]], cache: dict,
+                repeats: int, rng: np.random.Generator) -> dict[str, float]:
+    limits = protocol.Limits(max_body_bytes=1 << 30)
+    memo = SegmentMemo(eng.cfg.vocab_size)  # the server's, as its event loop keeps it
+    first = encoded(body(segs, cache, 1))
+    memo.split(first)
+    run_to_end(eng, first, limits)
+    stages: dict[str, list[float]] = {}
+    for i in range(repeats):
+        raw = encoded(body([*segs, [int(rng.integers(0, VOCAB))]], cache, 1))
         t0 = time.perf_counter()
-        inp = protocol.parse_generate(json.loads(raw), limits, tiny_config().vocab_size)
+        rest, ids = memo.split(raw)  # what protocol.parse_generate_bytes does
+        parsed = protocol.parse_json_body(rest, limits)
+        parsed["input_ids"] = ids
         t1 = time.perf_counter()
-        request_keys(inp.segments, inp.history)
+        inp = protocol.parse_generate(parsed, limits, eng.cfg.vocab_size)
         t2 = time.perf_counter()
-        timeline([len(s) for s in inp.segments], inp.history)
+        req = eng.prepare(GenerateRequest(f"r{i}", inp.segments, inp.history, inp.sampling))
         t3 = time.perf_counter()
-        for k, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-            stages[k].append(dt)
+        eng.add_request(req)
+        timer.seconds = {}
+        eng.step()  # admits and plans it, dispatches its forward
+        while eng.has_work():
+            eng.step()
+        got = {"parse": t1 - t0, "validate": t2 - t1, "prepare": t3 - t2,
+               "match": timer.seconds["match"],
+               "plan": timer.seconds["plan"] - timer.seconds["match"],
+               "pack": timer.seconds["pack"] - timer.seconds["forward"]}
+        for k, v in got.items():
+            stages.setdefault(k, []).append(v)
+    eng.flush_cache()
     return {k: statistics.median(v) for k, v in stages.items()}
 
 
@@ -132,17 +202,24 @@ def main(argv: list[str] | None = None) -> int:
             row["cached_s"] = cached_request(client, segs, {}, args.repeats, rng)
             drop = dropped(segs, 0.75)
             row["cached_dropped_s"] = cached_request(client, segs, drop, args.repeats, rng)
-            row["host_stages"] = host_stages([*segs, [1]], {}, args.repeats)
             rows.append(row)
-            print(f"history {h:>7}: cached request {row['cached_s'] * 1e3:7.1f} ms, "
-                  f"75% dropped {row['cached_dropped_s'] * 1e3:7.1f} ms; host stages "
-                  + ", ".join(f"{k[:-2]} {v * 1e3:.1f} ms"
-                              for k, v in row["host_stages"].items()), flush=True)
+            client.post("/flush_cache")
         full = history(rng, 8192)
         long = history(rng, 32768)
         undropped = decode_per_token(client, full, {}, args.repeats)
         with_drop = decode_per_token(client, long, dropped(long, 0.75), args.repeats)
         client.post("/flush_cache")
+    # The stages, once the server is gone (it would compete for the two cores).
+    eng, timer = in_process_engine(ctx)
+    for row in rows:
+        segs = history(np.random.default_rng(row["history"]), row["history"])
+        row["host_stages_s"] = host_stages(eng, timer, segs, {}, args.repeats, rng)
+        row["host_stages_dropped_s"] = host_stages(eng, timer, segs, dropped(segs, 0.75),
+                                                   args.repeats, rng)
+        print(f"history {row['history']:>7}: cached request {row['cached_s'] * 1e3:7.1f} ms, "
+              f"75% dropped {row['cached_dropped_s'] * 1e3:7.1f} ms; stages "
+              + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in row["host_stages_s"].items())
+              + " ms", flush=True)
     by_h = {r["history"]: r for r in rows}
     cached_ratio = (by_h[32768]["cached_s"] / by_h[2048]["cached_s"]
                     if 32768 in by_h and 2048 in by_h else float("nan"))

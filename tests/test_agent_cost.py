@@ -137,7 +137,7 @@ def test_request_key_is_the_servers():
     req = Request(((1, 2), (3,), (4, 5)), {"drop": {"2": [1]}, "reposition": [2]}, 4)
     # ops follow their boundary, drops first; a drop names the absolute token ranges it drops
     assert request_key(req) == [1, 2, 3, 4, 5, ("drop", ((2, 3),)), ("repos",)]
-    assert request_key(req) == request_keys(req.segments, parse_history(req.cache, 3))[0]
+    assert request_key(req) == request_keys(req.segments, parse_history(req.cache, 3))
     assert request_key(Request(((1,), (2,)), None, 1)) == [1, 2]
 
 
@@ -183,7 +183,7 @@ def test_offline_sharing_is_the_server_radix_trees_when_segment_indices_change()
     tree = RadixTree(PagePool(1 << 16), 1)
     served = []
     for req, out in client.sent:
-        keys = request_keys(req.segments, parse_history(req.cache, len(req.segments)))[0]
+        keys = request_keys(req.segments, parse_history(req.cache, len(req.segments)))
         hit = sum(len(n.key) for n in tree.match(keys) if n.kind == "tokens")
         served.append(min(hit, req.prompt_tokens - 1))
         path = insert(tree, keys)

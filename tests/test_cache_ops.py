@@ -64,8 +64,8 @@ def test_parse_errors_name_field(cache, n, field, words):
 
 
 def test_segment_validation():
-    assert validate_segments([1, 2, 3]) == [[1, 2, 3]]
-    assert validate_segments([[1], [2, 3]], vocab_size=10) == [[1], [2, 3]]
+    assert [s.tolist() for s in validate_segments([1, 2, 3])] == [[1, 2, 3]]
+    assert [s.tolist() for s in validate_segments([[1], [2, 3]], vocab_size=10)] == [[1], [2, 3]]
     cases = [
         ([[1], []], "input_ids[1]", "empty"),
         ([[1], [2, 1.0]], "input_ids[1][1]", "integer"),

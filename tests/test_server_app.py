@@ -20,19 +20,20 @@ REPLY = "hello END world"
 
 
 class ScriptedEngine:
-    """What the API needs of ``Engine``: check, stats, flush_cache."""
+    """What the API needs of ``Engine``: prepare, stats, flush_cache."""
 
     def __init__(self):
         self.flushes = 0
         self.busy = False
 
-    def check(self, req: GenerateRequest) -> None:
+    def prepare(self, req: GenerateRequest) -> GenerateRequest:
         first = req.segments[0][0]
         if first == 13:
             raise KeyError("unexpected engine bug")
         if first == 14:
             raise CacheOpError("cache.reposition", "context reaches position 9999: add a "
                                                    "reposition")
+        return req
 
     def stats(self) -> dict:
         return {"cache_queries": 3, "cache_query_tokens": 40, "cache_hit_tokens": 10,
@@ -69,7 +70,7 @@ class ScriptedAsyncEngine:
         return self.engine.flush_cache()
 
     async def generate(self, req: GenerateRequest):
-        self.engine.check(req)
+        self.engine.prepare(req)
         first = req.segments[0][0]
         n_prompt = sum(map(len, req.segments))
         lp = -0.5 if req.return_logprob else None

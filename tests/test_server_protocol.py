@@ -30,7 +30,7 @@ def rejected(fn, body: dict) -> InvalidField:
 
 def test_generate_defaults_and_flat_list():
     inp = gen({"input_ids": [1, 2, 3]})
-    assert inp.segments == [[1, 2, 3]]
+    assert [s.tolist() for s in inp.segments] == [[1, 2, 3]]
     assert inp.history == OpHistory.empty(1)
     assert inp.sampling == SamplingParams(max_new_tokens=16)
     assert (inp.return_logprob, inp.stream) == (False, False)
@@ -46,7 +46,7 @@ def test_generate_full_request():
         "return_logprob": True,
         "stream": True,
     })
-    assert inp.segments == [[1, 2], [3], [4, 5]]
+    assert [s.tolist() for s in inp.segments] == [[1, 2], [3], [4, 5]]
     assert inp.history == OpHistory(3, {2: (1,)}, (2,))
     assert inp.sampling == SamplingParams(8, 0.7, 0.9, 0, 7, (5, 6), True)
     assert (inp.return_logprob, inp.stream) == (True, True)

@@ -25,7 +25,7 @@ from akv_jax.serving.radix import Key, request_keys
 
 def request_key(req: Request) -> list[Key]:
     """The server's radix keys of ``req``: its tokens with op items after their boundary."""
-    return request_keys(req.segments, parse_history(req.cache, len(req.segments)))[0]
+    return request_keys(req.segments, parse_history(req.cache, len(req.segments)))
 
 
 def _common(a: Sequence[Key], b: Sequence[Key]) -> int:

@@ -186,30 +186,85 @@ def token_outside_vocab(t: int, vocab_size: int | None) -> str | None:
     return None
 
 
-def validate_segments(segments: Any, field: str = "input_ids", vocab_size: int | None = None):
-    """Segments as a list of non-empty lists of in-vocabulary token ids.
+_INT32_END = 2**31  # token ids leave here as int32: with no vocabulary, the bound they stay under
 
-    A flat list of ints is one segment. Raises :class:`CacheOpError` naming the index.
+
+def validate_segments(
+    segments: Any, field: str = "input_ids", vocab_size: int | None = None
+) -> list[np.ndarray]:
+    """Segments as a list of non-empty 1-D int32 arrays of in-vocabulary token ids.
+
+    A segment is a list (or tuple) of ints, or a 1-D numpy integer array, checked whole (an
+    int32 one comes back as is, not copied: its owner must not change it); a flat list of
+    ints is one segment. Token ids are ``int``s (not bools, floats, strings, None, lists or
+    numpy scalars) with ``token_outside_vocab`` false; with no ``vocab_size`` they must still
+    fit int32 (an id >= 2**31 is outside the vocabulary). Raises :class:`CacheOpError`
+    naming the index of the first problem (``input_ids[2][5]``).
+
+    The common case costs C-speed passes per segment (its element types, one conversion, one
+    range reduction); only a request with a problem, or with unusual elements (int
+    subclasses, non-integer arrays), is walked token by token in Python, and that walk
+    alone words the errors.
     """
     if not isinstance(segments, Sequence) or isinstance(segments, (str, bytes)) or not segments:
         raise CacheOpError(field, "expected a non-empty list of token-id lists")
-    if all(not isinstance(x, Sequence) for x in segments):
-        segments = [segments]
-    out: list[list[int]] = []
+    kinds = set(map(type, segments))
+    flat_types = None  # a flat list's element types, known already
+    if not any(issubclass(k, (Sequence, np.ndarray)) for k in kinds):
+        segments, flat_types = [segments], kinds
+    end = _INT32_END if vocab_size is None else min(vocab_size, _INT32_END)
+    out = []
+    for seg in segments:
+        ids = _segment_array(seg, end, flat_types)
+        if ids is None:  # something to report, or to look at token by token
+            return _walk_segments(segments, field, end)
+        out.append(ids)
+    return out
+
+
+def _segment_array(seg: Any, end: int, types: set | None) -> np.ndarray | None:
+    """``seg`` as an int32 array if it is plainly valid (ids in ``[0, end)``), else None."""
+    if isinstance(seg, np.ndarray):
+        if seg.ndim != 1 or seg.dtype.kind not in "iu" or seg.size == 0:
+            return None
+        if seg.min() < 0 or seg.max() >= end:
+            return None
+        return seg.astype(np.int32, copy=False)
+    if isinstance(seg, (str, bytes)) or not isinstance(seg, Sequence) or not seg:
+        return None
+    if types is None:
+        types = set(map(type, seg))
+    if types != {int}:  # exactly int: a bool, float, str, None or list is no token id
+        return None
+    try:
+        a = np.asarray(seg, np.int32)
+    except OverflowError:  # beyond int32: outside the vocabulary (end <= 2**31)
+        return None
+    # A negative id is >= 2**31 as uint32: one reduction checks both ends of [0, end).
+    if a.view(np.uint32).max() >= end:
+        return None
+    return a
+
+
+def _walk_segments(segments: Sequence, field: str, end: int) -> list[np.ndarray]:
+    """:func:`validate_segments` token by token: raises for the first problem, in order."""
+    out = []
     for i, seg in enumerate(segments):
         f = f"{field}[{i}]"
+        if isinstance(seg, np.ndarray) and seg.ndim == 1:
+            seg = seg.tolist()  # Python ints (or the bools / floats that are reported)
         if not isinstance(seg, Sequence) or isinstance(seg, (str, bytes)):
             raise CacheOpError(f, "expected a list of token ids")
         if len(seg) == 0:
             raise CacheOpError(f, "empty segment")
-        ids = []
         for j, t in enumerate(seg):
             if isinstance(t, bool) or not isinstance(t, int):
                 raise CacheOpError(f"{f}[{j}]", f"expected an integer token id, got {t!r}")
-            if (why := token_outside_vocab(t, vocab_size)) is not None:
+            # ``end`` is the vocabulary's size, or less where ids would not fit int32; the
+            # message names only the id, so it is the vocabulary's.
+            if (why := token_outside_vocab(t, end)) is not None:
                 raise CacheOpError(f"{f}[{j}]", why)
-            ids.append(t)
-        out.append(ids)
+        out.append(np.asarray(seg, np.int32))
     return out
 
 

@@ -73,31 +73,42 @@ def timeline(seg_lens: Sequence[int], history: OpHistory, start_pos: int = 0) ->
     T = int(start[-1])
     token_seg = np.repeat(np.arange(n), lens)
     num_versions = len(history.repos) + 1
+    # The walk visits each in-range boundary once, in order; versions past the last real
+    # epoch (from a duplicate or out-of-range repos) stay zero, as the row count still counts them.
+    repos = sorted({int(b) for b in history.repos if 0 <= b < n})
+    # Boundary after which each segment stops being active: its first drop at or after its own
+    # append (a drop at an earlier boundary is undone when the segment is appended).
+    seg_drop = np.full(n, n, np.int64)
+    pairs = [(b, i) for b, segs in history.drops.items() for i in segs]
+    if pairs:
+        b_, i_ = np.array(pairs, np.int64).reshape(-1, 2).T
+        keep = (b_ >= 0) & (b_ < n) & (i_ >= 0) & (i_ <= b_)
+        np.minimum.at(seg_drop, i_[keep], b_[keep])
+    # Segment s was appended after every repos at a boundary < s.
+    seg_epoch = np.searchsorted(np.asarray(repos, np.int64), np.arange(n)).astype(np.int64)
     version_pos = np.zeros((num_versions, T), np.int64)
     version_has = np.zeros((num_versions, T), bool)
-    pos = np.zeros(T, np.int64)
-    active = np.zeros(T, bool)
-    append_pos = np.zeros(T, np.int64)
-    seg_epoch = np.zeros(n, np.int64)
-    next_pos, epoch = start_pos, 0
-    for s in range(n):
-        a, b = start[s], start[s + 1]
-        seg_epoch[s] = epoch
-        pos[a:b] = next_pos + np.arange(b - a)
-        append_pos[a:b] = pos[a:b]
-        active[a:b] = True
-        next_pos += b - a
-        for i in history.drops_at(s):
-            active[start[i] : start[i + 1]] = False
-        if history.repos_at(s):
-            version_pos[epoch, :b] = pos[:b]
-            version_has[epoch, :b] = True
-            r = int(active[:b].sum())
-            pos[:b][active[:b]] = np.arange(r)
-            next_pos = r
-            epoch += 1
-    version_pos[epoch] = pos
-    version_has[epoch] = True
+    # Between repositions appends are contiguous, so a token's append position is its index
+    # plus its epoch's offset, shifted in place to spare a temporary per epoch.
+    append_pos = np.arange(T, dtype=np.int64)
+    pos = np.empty(T, np.int64)
+    next_pos, a = start_pos, 0
+    for e, r in enumerate(repos):
+        b = int(start[r + 1])
+        append_pos[a:b] += next_pos - a
+        pos[a:b] = append_pos[a:b]
+        version_pos[e, :b] = pos[:b]
+        version_has[e, :b] = True
+        # Only the tokens still active are renumbered; dropped ones keep their last position.
+        live_seg = seg_drop[: r + 1] > r
+        live = int(lens[: r + 1][live_seg].sum())
+        pos[:b][np.repeat(live_seg, lens[: r + 1])] = np.arange(live)
+        next_pos, a = live, b
+    append_pos[a:] += next_pos - a
+    pos[a:] = append_pos[a:]
+    next_pos += T - a
+    version_pos[len(repos)] = pos
+    version_has[len(repos)] = True
     return Timeline(
         seg_lens=lens,
         seg_start=start,
@@ -107,7 +118,7 @@ def timeline(seg_lens: Sequence[int], history: OpHistory, start_pos: int = 0) ->
         drop_boundary=history.drop_boundary(),
         version_pos=version_pos,
         version_has=version_has,
-        final_pos=pos.copy(),
-        final_active=active.copy(),
+        final_pos=pos,
+        final_active=np.repeat(seg_drop == n, lens),
         next_pos=int(next_pos),
     )

@@ -122,7 +122,9 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
 
   // Few rows (a decode step: one token's G query heads) score each key with dot products
   // read straight from the pool; many rows share one transposed copy of the tile's keys.
-  const bool few_rows = R <= RT_FEW;
+  // A head of one vector takes the transposed path at any row count: its dot products
+  // would be one multiply and a horizontal sum a key, and the sum costs more than the copy.
+  const bool few_rows = R <= RT_FEW && NV > 1;
   alignas(64) float kt[NV * W * TK];  // keys transposed: [Dh][TK] (many rows)
   alignas(64) int32_t sp[TK];
   alignas(64) float p[RT_MAX * TK];  // a row tile's scores, then its probabilities

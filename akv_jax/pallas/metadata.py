@@ -107,11 +107,13 @@ def build_segment_batch(
     num_blocks: int | None = None,
     num_segments: int | None = None,
     max_pages: int | None = None,
+    on_device: bool = True,
 ) -> SegmentBatch:
     """Cut segments into query blocks and pad every array to a static size.
 
     Sizes left as None are bucketed to the next power of two, so repeated calls with similar
-    shapes reuse one compiled program.
+    shapes reuse one compiled program. ``on_device=False`` leaves the arrays in numpy, for a
+    caller that passes them straight to a jitted function (one transfer for all of them).
     """
     blocks: list[tuple[int, int, int, int]] = []
     for s, seg in enumerate(segments):
@@ -145,13 +147,14 @@ def build_segment_batch(
         kv_len[s] = n
         kv_visible[s, :n] = seg.kv_visible
     page_visible = kv_visible.reshape(ns, mp, page_size).any(axis=-1)
+    put = jnp.asarray if on_device else np.ascontiguousarray
     return SegmentBatch(
-        block_seg=jnp.asarray(block_arr[:, 0]),
-        block_q_start=jnp.asarray(block_arr[:, 1]),
-        block_q_len=jnp.asarray(block_arr[:, 2]),
-        block_kv_pos=jnp.asarray(block_arr[:, 3]),
-        page_table=jnp.asarray(page_table),
-        kv_len=jnp.asarray(kv_len),
-        kv_visible=jnp.asarray(kv_visible),
-        page_visible=jnp.asarray(page_visible),
+        block_seg=put(block_arr[:, 0]),
+        block_q_start=put(block_arr[:, 1]),
+        block_q_len=put(block_arr[:, 2]),
+        block_kv_pos=put(block_arr[:, 3]),
+        page_table=put(page_table),
+        kv_len=put(kv_len),
+        kv_visible=put(kv_visible),
+        page_visible=put(page_visible),
     )

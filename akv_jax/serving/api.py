@@ -50,6 +50,7 @@ from akv_jax.serving.responses import (
 )
 from akv_jax.serving.responses_api import ResponsesBody
 from akv_jax.serving.schemas import ChatBody, GenerateBody
+from akv_jax.serving.segment_memo import SegmentMemo
 from akv_jax.serving.types import GenerateRequest, SamplingParams
 
 __all__ = ["BodyTooLarge", "Server", "create_app"]
@@ -131,6 +132,8 @@ class Server:
         self.tokenizer = tokenizer
         self.limits = limits
         self.vocab_size = vocab_size
+        # /generate segments seen before, by their JSON text (segment_memo.py).
+        self.segments = SegmentMemo(vocab_size)
         self.max_position = max_position
         self.stop_ids = frozenset(stop_ids)
         self.arch = arch  # the model's architecture: picks its reply format (tool_use.py)
@@ -145,6 +148,9 @@ class Server:
     # ---- shared pieces
 
     async def read_json(self, request: Request) -> dict[str, Any]:
+        return protocol.parse_json_body(await self.read_body(request), self.limits)
+
+    async def read_body(self, request: Request) -> bytes:
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -155,16 +161,17 @@ class Server:
             if size > limit:
                 raise BodyTooLarge(limit)
             chunks.append(chunk)
-        return protocol.parse_json_body(b"".join(chunks), self.limits)
+        return b"".join(chunks)
 
     def make_request(self, segments, history, sampling: SamplingParams, logprob: bool,
                      constraint=None) -> GenerateRequest:
         return GenerateRequest(uuid.uuid4().hex, segments, history, sampling, logprob,
                                constraint)
 
-    async def check(self, req: GenerateRequest) -> None:
-        # In a worker thread: checking a very long request walks every token.
-        await asyncio.to_thread(self.engine.check, req)
+    async def check(self, req: GenerateRequest) -> GenerateRequest:
+        """``req`` checked and prepared (Engine.prepare) in a worker thread, so neither the
+        event loop nor the engine's step waits for it."""
+        return await asyncio.to_thread(self.engine.prepare, req)
 
     async def events(self, req: GenerateRequest, run: Run, endpoint: str):
         """The engine's events for ``req``; metrics are recorded however the stream ends
@@ -193,10 +200,10 @@ class Server:
     # ---- /generate
 
     async def generate(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        inp = protocol.parse_generate(body, self.limits, self.vocab_size)
+        raw = await self.read_body(request)
+        inp = protocol.parse_generate_bytes(raw, self.limits, self.vocab_size, self.segments)
         req = self.make_request(inp.segments, inp.history, inp.sampling, inp.return_logprob)
-        await self.check(req)
+        req = await self.check(req)
         run = Run(req.rid, sum(len(s) for s in inp.segments))
         if inp.stream:
             return StreamingResponse(

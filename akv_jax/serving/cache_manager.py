@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from akv_jax.serving.page_pool import PagePool
-from akv_jax.serving.radix import Key, Node, RadixTree
+from akv_jax.serving.radix import Key, Node, RadixTree, RequestKeys
 
 
 class PageMover(Protocol):
@@ -52,7 +52,7 @@ class CacheManager:
         self.tree.spill = self.spill if self.host_pool is not None else None
 
     # ------------------------------------------------------------------ reads
-    def match(self, keys: Sequence[Key]) -> list[Node]:
+    def match(self, keys: RequestKeys | Sequence[Key]) -> list[Node]:
         """The longest stored prefix of ``keys``, as nodes (the last may have been split)."""
         return self.tree.match(keys)
 
@@ -65,7 +65,7 @@ class CacheManager:
 
     def node_pages(self, node: Node) -> int:
         """Pages ``node`` holds when resident (token runs start on a fresh page)."""
-        return self.pages_for(len(node.token_ids()))
+        return self.pages_for(node.num_tokens)
 
     @property
     def used_pages(self) -> int:
@@ -101,7 +101,7 @@ class CacheManager:
         if self._journal is not None:
             self._journal.append((what, node))
 
-    def add(self, parent: Node, key: tuple, kind: str, tok_start: int = 0,
+    def add(self, parent: Node, key: Sequence[Key], kind: str, tok_start: int = 0,
             held_tokens: tuple[int, ...] = ()) -> Node:
         """A fresh, empty node below ``parent`` (a repos node names the tokens it will
         hold copies of)."""

@@ -63,6 +63,11 @@ class DeviceGroup:
             spec = logical_to_spec(KV_AXES, kv.k.shape, self.mesh)
             self.kv_sharding = NamedSharding(self.mesh, spec)
             kv = jax.device_put(kv, self.kv_sharding)
+        else:
+            # Committed from the start: a host-tier reload or a page hand-over commits it
+            # (device_put), and a committed pool is another jit signature, so every step
+            # shape warmed up with an uncommitted one would compile again mid-serving.
+            kv = jax.device_put(kv, jax.local_devices()[0])
         self.params = params
         self.kv = kv
         # Decode on the CPU runs its layers unrolled over per-layer copies of the weights
@@ -94,14 +99,14 @@ class DeviceGroup:
         out, kv = _forward_step(
             self.params,
             self.cfg,
-            jnp.asarray(tokens),
-            jnp.asarray(q_pos),
+            tokens,
+            q_pos,
             self.kv,
             writes,
             batch,
             rope,
             attention,
-            jnp.asarray(rows),
+            rows,
             mesh=self.mesh,
             layer_list=self.layer_list if unrolled else None,
             packed=None if unrolled else self.packed,

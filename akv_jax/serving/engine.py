@@ -52,7 +52,7 @@ from akv_jax.serving.constrained_rows import MaskedGreedy
 from akv_jax.serving.executor import Executor
 from akv_jax.serving.multihost import MultihostError, digest, is_peer_loss, peer_failure
 from akv_jax.serving.planner import Planner, PoolTooSmall
-from akv_jax.serving.radix import request_keys
+from akv_jax.serving.radix import RequestKeys
 from akv_jax.serving.sampler import invalid_param, log_softmax, make_rng, sample
 from akv_jax.serving.types import GenerateRequest, TokenEvent, describe_error
 from akv_jax.serving.work import Pass, RequestState
@@ -142,10 +142,17 @@ class Engine:
         """Validate what only the engine knows (vocabulary, position limit, pool size)."""
         return check_request(req, self.cfg, self.page_size, self.num_pages)
 
-    def add_request(self, req: GenerateRequest) -> None:
+    def prepare(self, req: GenerateRequest) -> GenerateRequest:
+        """``req`` checked, with its timeline and radix keys: pure, so the API calls it off
+        the engine's thread and :meth:`add_request` has only to queue the result."""
         tl = self.check(req)
-        keys, tok_index, boundary = request_keys(req.segments, req.history)
-        r = RequestState(req, tl, keys, tok_index, boundary, time.monotonic())
+        return dataclasses.replace(req, prepared=(tl, RequestKeys.of(req.segments, req.history)))
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if req.prepared is None:
+            req = self.prepare(req)
+        tl, keys = req.prepared
+        r = RequestState(req, tl, keys, time.monotonic())
         r.rng = make_rng(req.sampling.seed)
         r.prompt_tokens = tl.num_tokens
         r.waiting_since = r.arrival
@@ -510,9 +517,9 @@ class Engine:
             req, h = r.req, r.req.history
             segments = [*req.segments, list(fed)]
             history = OpHistory(len(segments), h.drops, h.repos)
-            r.req = dataclasses.replace(req, segments=segments, history=history)
+            r.req = dataclasses.replace(req, segments=segments, history=history, prepared=None)
             r.tl = timeline([len(x) for x in segments], history)
-            r.keys, r.tok_index, r.key_boundary = request_keys(segments, history)
+            r.keys = RequestKeys.of(segments, history)
         r.gen_base = len(r.generated) - r.unfed
         r.resumed = True
         r.status = "waiting"

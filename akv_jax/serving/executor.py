@@ -14,7 +14,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.model.config import ModelConfig
@@ -214,6 +213,7 @@ class Executor:
             num_blocks=T if block_q == 1 else T // block_q + ns,
             num_segments=ns,
             max_pages=view_bucket(max(len(s.pages) for s in segs), ps),
+            on_device=False,
         )
         # Decode: one logits row per request, padded as tokens are (the vocabulary matmul
         # streams the whole embedding; at 1 row it runs at the memory's speed, see
@@ -223,7 +223,8 @@ class Executor:
         R = token_bucket(len(rows), 1) if block_q == 1 else bucket(len(rows), 8)
         row_arr = np.zeros(R, np.int32)
         row_arr[: len(rows)] = rows
-        writes_arr = KVWrites(slots=jnp.asarray(slot_arr), positions=jnp.asarray(pos_arr))
+        # Host arrays: the jitted step moves them all in one go.
+        writes_arr = KVWrites(slots=slot_arr, positions=pos_arr)
         return group.forward(
             tok_arr, qp, writes_arr, batch, self.rope, self._attn[block_q], row_arr,
             unrolled=block_q == DECODE_BLOCK_Q,

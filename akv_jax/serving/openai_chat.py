@@ -146,7 +146,7 @@ class ChatCompletions:
         constraint = await asyncio.to_thread(self.tool_use.constraint, inp, max_tokens, opens)
         sampling = dataclasses.replace(inp.sampling, max_new_tokens=max_tokens)
         req = srv.make_request(segments, history, sampling, inp.logprobs, constraint)
-        await srv.check(req)
+        req = await srv.check(req)
         run = Run(req.rid, sum(len(s) for s in segments))
         parser = None if self.tool_use.family == "plain" else self.tool_use.parser(inp, opens)
         return ChatTurn(inp, segments, req, run, ReplyStream(tok, parser, inp.stop))

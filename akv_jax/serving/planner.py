@@ -18,7 +18,7 @@ import numpy as np
 from akv_jax.cache.timeline import Timeline
 from akv_jax.pallas.metadata import SegmentSpec
 from akv_jax.serving.cache_manager import CacheManager
-from akv_jax.serving.radix import Node
+from akv_jax.serving.radix import Node, Op
 from akv_jax.serving.work import Pass, RequestState
 
 
@@ -32,6 +32,18 @@ def visible(tl: Timeline, toks: np.ndarray, seg: int) -> np.ndarray:
     out = np.zeros(len(toks), bool)
     out[ok] = tl.drop_boundary[tl.token_seg[toks[ok]]] >= seg
     return out
+
+
+def visible_pages(pages: list[int], vis: np.ndarray, page_size: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """A view without its pages that hold no visible slot: ``(pages, slot visibility)``,
+    the slots of the pages kept, in order. Attention skips nothing it would have read (an
+    invisible slot contributes nothing), and a step over a history that dropped most of
+    its tokens reads, and its metadata holds, only the pages still attended."""
+    slots = np.zeros((len(pages), page_size), bool)
+    slots.reshape(-1)[: len(vis)] = vis
+    keep = slots.any(axis=1)
+    return np.asarray(pages, np.int32)[keep], slots[keep].reshape(-1)
 
 
 def final_view(path: list[Node]) -> list[Node]:
@@ -66,7 +78,7 @@ class Planner:
         except BaseException:
             cache.undo_plan()
             r.last_node = r.prompt_last_node = None
-            r.view_nodes, r.view_pages, r.view_toks = [], [], None
+            r.view_nodes, r.view_pages, r.view_visible = [], None, None
             raise
         if p is None:
             cache.undo_plan()
@@ -104,40 +116,40 @@ class Planner:
         cache.reload(reload)
         p = self.lay_out(r, path, compute, final)
         p.written_pages = [pg for n in path if n.id in compute for pg in n.pages]
-        p.restored_tokens = sum(len(n.token_ids()) for n in to_alloc if n.id not in fresh)
+        p.restored_tokens = sum(n.num_tokens for n in to_alloc if n.id not in fresh)
         return p
 
     def build_path(self, r: RequestState) -> tuple[list[Node], set[int]]:
         """Matched nodes plus fresh nodes for the rest of the keys; ids of fresh nodes."""
-        cache, tl = self.cache, r.tl
-        path = cache.match(r.keys)
-        i = sum(len(n.key) for n in path)
+        cache, tl, keys = self.cache, r.tl, r.keys
+        path = cache.match(keys)
+        matched = sum(len(n.key) for n in path)  # keys consumed: tokens, and 1 per op item
         parent = path[-1] if path else cache.tree.root
         fresh: set[int] = set()
-        while i < len(r.keys):
-            k = r.keys[i]
-            if isinstance(k, int):
+        for part in keys.parts:
+            size = 1 if isinstance(part, Op) else part.end - part.start
+            if matched >= size:
+                matched -= size
+                continue
+            if isinstance(part, Op):
+                held = ()
+                if part.item[0] == "repos":  # it will hold copies of the tokens active there
+                    held = tuple(tl.active_after(part.boundary).tolist())
+                node = cache.add(parent, (part.item,), part.item[0], held_tokens=held)
+                fresh.add(node.id)
+                path.append(node)
+                parent = node
+                continue
+            a, matched = part.start + matched, 0
+            while a < part.end:
                 # One node per segment: a rolling drop then empties whole nodes (a node that
                 # also held the previous message's last token could never become dead).
-                seg = tl.token_seg[r.tok_index[i]]
-                j = i
-                while (
-                    j < len(r.keys)
-                    and isinstance(r.keys[j], int)
-                    and tl.token_seg[r.tok_index[j]] == seg
-                ):
-                    j += 1
-                node = cache.add(parent, tuple(r.keys[i:j]), "tokens", r.tok_index[i])
-                i = j
-            else:
-                held = ()
-                if k[0] == "repos":  # it will hold copies of the tokens active there
-                    held = tuple(tl.active_after(r.key_boundary[i]).tolist())
-                node = cache.add(parent, (k,), k[0], held_tokens=held)
-                i += 1
-            fresh.add(node.id)
-            path.append(node)
-            parent = node
+                b = min(part.end, int(tl.seg_start[tl.token_seg[a] + 1]))
+                node = cache.add(parent, keys.tokens[a:b], "tokens", a)
+                fresh.add(node.id)
+                path.append(node)
+                parent = node
+                a = b
         # The last prompt token's logits must be computed even on a full match; split a
         # resident last token node so that only its last page is recomputed.
         k = max(i for i, n in enumerate(path) if n.kind == "tokens")
@@ -215,14 +227,15 @@ class Planner:
                 if node.id in compute:
                     seg = int(tl.token_seg[node.tok_start])
                     view_toks = self._view_tokens(view)
-                    vis = np.concatenate([visible(tl, view_toks, seg), np.ones(len(toks), bool)])
+                    pages, vis = visible_pages(self._view_pages(view),
+                                               visible(tl, view_toks, seg), ps)
                     p.segments.append(
                         SegmentSpec(
                             q_start=len(p.tokens),
                             q_len=len(toks),
-                            pages=self._view_pages(view) + list(node.pages),
-                            kv_visible=vis,
-                            causal_pos=len(view_toks),
+                            pages=np.concatenate([pages, np.asarray(node.pages, np.int32)]),
+                            kv_visible=np.concatenate([vis, np.ones(len(toks), bool)]),
+                            causal_pos=len(vis),
                         )
                     )
                     for t, tid, sl in zip(toks, node.key, slots, strict=True):
@@ -262,9 +275,11 @@ class Planner:
                     src = {t: src.get(t) for t in held}
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
         p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
-        r.view_pages = self._view_pages(view)
+        view_toks = self._view_tokens(view)
+        vis = view_toks >= 0
+        vis[vis] = tl.final_active[view_toks[vis]]
+        r.view_pages, r.view_visible = visible_pages(self._view_pages(view), vis, ps)
         r.view_nodes = final
-        r.view_toks = self._view_tokens(view)
         r.last_node = path[-1]
         r.prompt_last_node = path[-1]
         r.cached_tokens = cached
@@ -285,9 +300,6 @@ class Planner:
                 return None
             r.gen_pages.extend(pages)
         tl = r.tl
-        toks = r.view_toks
-        vis = toks >= 0
-        vis[vis] = tl.final_active[toks[vis]]
         gen_vis = np.arange(len(r.gen_pages) * ps) <= last
         pos = [tl.next_pos + j + i for i in range(n)]
         slots = _slots(r.gen_pages, j + n, ps)[j:]
@@ -299,9 +311,9 @@ class Planner:
                 SegmentSpec(
                     q_start=0,
                     q_len=n,
-                    pages=r.view_pages + r.gen_pages,
-                    kv_visible=np.concatenate([vis, gen_vis]),
-                    causal_pos=len(toks) + j,
+                    pages=np.concatenate([r.view_pages, np.asarray(r.gen_pages, np.int32)]),
+                    kv_visible=np.concatenate([r.view_visible, gen_vis]),
+                    causal_pos=len(r.view_visible) + j,
                 )
             ],
             logits_row=n - 1,
@@ -310,12 +322,9 @@ class Planner:
     # ------------------------------------------------------------------ helpers
     def _view_tokens(self, view: list[Node]) -> np.ndarray:
         """Absolute token index held in each slot of the view's pages (-1 for padding)."""
-        parts = []
-        for v in view:
-            toks = v.token_array()
-            pad = self.cache.pages_for(len(toks)) * self.page_size - len(toks)
-            parts += [toks, np.full(pad, -1, np.int64)]
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if not view:
+            return np.zeros(0, np.int64)
+        return np.concatenate([v.slot_tokens(self.page_size) for v in view])
 
     def _view_pages(self, view: list[Node]) -> list[int]:
         """Pages of a view; an emptied node nothing here can see stands in as page 0 with

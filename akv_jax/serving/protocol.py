@@ -16,10 +16,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import orjson
+
 from akv_jax.cache.ops import OpHistory, parse_history, validate_segments
 from akv_jax.errors import InvalidField
 from akv_jax.serving.sampler import invalid_param
 from akv_jax.serving.schemas import ChatBody, GenerateBody, Message, SamplingFields, validated
+from akv_jax.serving.segment_memo import SegmentMemo
 from akv_jax.serving.types import SamplingParams
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "check_prompt_size",
     "parse_chat",
     "parse_generate",
+    "parse_generate_bytes",
     "parse_json_body",
     "removed_reasoning",
     "sampling",
@@ -92,14 +97,42 @@ class ChatInput:
 def parse_json_body(raw: bytes, limits: Limits) -> dict[str, Any]:
     if len(raw) > limits.max_body_bytes:
         raise BodyTooLarge(limits.max_body_bytes)
-    try:
-        # NaN/Infinity are not JSON; refuse them here instead of as odd sampling values later.
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidField("body", f"malformed JSON: {e}") from None
+    body = _loads(raw)
     if not isinstance(body, dict):
         raise InvalidField("body", f"expected a JSON object, got {_JSON_KINDS[type(body)]}")
     return body
+
+
+def _loads(raw: bytes) -> Any:
+    """``raw`` parsed as ``json.loads(raw, parse_constant=_reject_constant)`` would, with its
+    errors, but at orjson's speed (a 32K-token history is resent every turn).
+
+    orjson gives the same values wherever it accepts a body, except integers past 64 bits,
+    which it turns into floats (a token id 2**64 must stay an int, refused by the vocabulary
+    check later): a body with a run of 19 digits or more goes to ``json.loads``. So does
+    every body orjson refuses, for ``json.loads``'s own error message, or its value where
+    it is more lenient (UTF-16 and UTF-32 bodies, a BOM, lone surrogates, deep nesting).
+    """
+    if not _long_digit_run(raw):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    try:
+        # NaN/Infinity are not JSON; refuse them here instead of as odd sampling values later.
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidField("body", f"malformed JSON: {e}") from None
+
+
+def _long_digit_run(raw: bytes) -> bool:
+    """Whether ``raw`` holds 19 ASCII digits in a row (an integer literal outside
+    [-2**63, 2**63) has that many), as array ops: digit flags ANDed with themselves shifted
+    by 1, 2, 4, 8 (a run of 16 starts at i) and 3 (a run of 19)."""
+    run = (np.frombuffer(raw, np.uint8) - ord("0")) < 10  # bytes below "0" wrap past 10
+    for k in (1, 2, 4, 8, 3):
+        run = run[:-k] & run[k:]
+    return bool(run.any())
 
 
 _JSON_KINDS = {list: "a list", str: "a string", int: "a number", float: "a number",
@@ -144,11 +177,30 @@ def check_prompt_size(segments: Sequence[Sequence[int]], limits: Limits, field: 
 # --------------------------------------------------------------------------- /generate
 
 
+def parse_generate_bytes(raw: bytes, limits: Limits, vocab_size: int | None,
+                         memo: SegmentMemo | None = None) -> GenerateInput:
+    """A /generate body as :func:`parse_generate` reads it; with ``memo``, segments sent
+    before are not parsed or checked again (see :mod:`.segment_memo`)."""
+    if len(raw) > limits.max_body_bytes:
+        raise BodyTooLarge(limits.max_body_bytes)
+    split = memo.split(raw) if memo is not None else None
+    if split is not None:
+        rest, segments = split
+        try:
+            body = _loads(rest)
+        except InvalidField:  # worded from the whole body below
+            body = None
+        if isinstance(body, dict) and body.get("input_ids") == []:  # not given twice
+            body["input_ids"] = segments
+            return parse_generate(body, limits, vocab_size)
+    return parse_generate(parse_json_body(raw, limits), limits, vocab_size)
+
+
 def parse_generate(body: Any, limits: Limits, vocab_size: int | None) -> GenerateInput:
     b = validated(GenerateBody, body, limits, vocab_size)
     raw = b.input_ids
     # Size limits before the per-token walk, so a huge request is refused cheaply.
-    if isinstance(raw, list) and raw and all(isinstance(s, list) for s in raw):
+    if isinstance(raw, list) and raw and all(isinstance(s, (list, np.ndarray)) for s in raw):
         check_prompt_size(raw, limits, "input_ids")
     elif isinstance(raw, list):
         check_prompt_size([raw], limits, "input_ids")

@@ -30,10 +30,11 @@ writes its KV, not when a request merely passes over it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -48,30 +49,87 @@ _ALL: Ranges = [(0, 1 << 62)]
 _ids = itertools.count()
 
 
-def request_keys(
-    segments: Sequence[Sequence[int]], history: OpHistory
-) -> tuple[list[Key], list[int], list[int]]:
-    """Radix keys of a request (the one statement of how a history becomes keys); for each
-    key its absolute token index (-1 for an op) and its boundary (the segment an op follows;
-    -1 for a token). A drop item names the absolute token ranges it drops, so two requests
-    share it only when they drop the same tokens."""
-    keys: list[Key] = []
-    tok_index: list[int] = []
-    boundary: list[int] = []
-    starts = np.concatenate([[0], np.cumsum([len(s) for s in segments])]).tolist()
-    for s, seg in enumerate(segments):
-        keys.extend(int(t) for t in seg)
-        tok_index.extend(range(starts[s], starts[s + 1]))
-        boundary.extend([-1] * len(seg))
-        ops = []
-        if history.drops_at(s):
-            ops.append(("drop", tuple((starts[i], starts[i + 1]) for i in history.drops_at(s))))
-        if history.repos_at(s):
-            ops.append(("repos",))
-        keys.extend(ops)
-        tok_index.extend([-1] * len(ops))
-        boundary.extend([s] * len(ops))
-    return keys, tok_index, boundary
+class Run(NamedTuple):
+    """Tokens ``start:end`` of a request (absolute indices), with no op item between them."""
+
+    start: int
+    end: int
+
+
+class Op(NamedTuple):
+    """An op item and the boundary (segment index) it follows."""
+
+    item: Key
+    boundary: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestKeys:
+    """A request's radix keys, with no Python object per token: its tokens as one array and
+    its parts in order, token runs (adjacent segments merged: a stored run may span them)
+    and op items. Matching compares runs against stored runs as arrays, so a turn that
+    resends a long history costs array compares, not a loop over its tokens."""
+
+    tokens: np.ndarray  # [T] int32
+    parts: tuple[Run | Op, ...]
+
+    @staticmethod
+    def of(segments: Sequence[Sequence[int]], history: OpHistory) -> RequestKeys:
+        """The keys of ``segments`` under ``history`` (the one statement of how a history
+        becomes keys): after segment s, its drops (one item naming the absolute token
+        ranges it drops, so two requests share it only when they drop the same tokens),
+        then its repos."""
+        arrays = [np.asarray(s, np.int32) for s in segments]
+        tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+        starts = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).tolist()
+        parts: list[Run | Op] = []
+        run_start = 0
+        for s in range(len(arrays)):
+            ops: list[Key] = []
+            if history.drops_at(s):
+                ops.append(("drop", tuple((starts[i], starts[i + 1])
+                                          for i in history.drops_at(s))))
+            if history.repos_at(s):
+                ops.append(("repos",))
+            if ops or s == len(arrays) - 1:
+                if starts[s + 1] > run_start:
+                    parts.append(Run(run_start, starts[s + 1]))
+                run_start = starts[s + 1]
+                parts.extend(Op(op, s) for op in ops)
+        return RequestKeys(tokens, tuple(parts))
+
+    @staticmethod
+    def from_flat(keys: Sequence[Key]) -> RequestKeys:
+        """Keys given as a flat list (token ids and op items; tests, offline estimates)."""
+        tokens: list[int] = []
+        parts: list[Run | Op] = []
+        run_start = 0
+        for k in keys:
+            if isinstance(k, (int, np.integer)):
+                tokens.append(int(k))
+                continue
+            if len(tokens) > run_start:
+                parts.append(Run(run_start, len(tokens)))
+            run_start = len(tokens)
+            parts.append(Op(k, -1))
+        if len(tokens) > run_start:
+            parts.append(Run(run_start, len(tokens)))
+        return RequestKeys(np.asarray(tokens, np.int32), tuple(parts))
+
+    def flat(self) -> list[Key]:
+        """The keys as one list: token ids (ints) interleaved with op items."""
+        out: list[Key] = []
+        for part in self.parts:
+            if isinstance(part, Run):
+                out.extend(self.tokens[part.start : part.end].tolist())
+            else:
+                out.append(part.item)
+        return out
+
+
+def request_keys(segments: Sequence[Sequence[int]], history: OpHistory) -> list[Key]:
+    """Radix keys of a request as one flat list (see :class:`RequestKeys`)."""
+    return RequestKeys.of(segments, history).flat()
 
 
 class Node:
@@ -92,11 +150,13 @@ class Node:
         "ends",
         "_held_ranges",
         "_held_array",
+        "_slot_tokens",
     )
 
-    def __init__(self, key: tuple, kind: str, parent: Node | None, tok_start: int = 0):
+    def __init__(self, key: tuple | np.ndarray, kind: str, parent: Node | None,
+                 tok_start: int = 0):
         self.id = next(_ids)
-        self.key = key  # token ids (tokens) or a 1-tuple holding the op item
+        self.key = key  # token ids (tokens: an int32 array) or a 1-tuple holding the op item
         self.kind = kind  # "root" | "tokens" | "drop" | "repos"
         self.parent = parent
         self.children: dict[Key, list[Node]] = {}
@@ -111,6 +171,7 @@ class Node:
         self.ends = 0  # running requests whose path ends here (their state is this node)
         self._held_ranges: Ranges | None = None
         self._held_array: np.ndarray | None = None
+        self._slot_tokens: np.ndarray | None = None
 
     @property
     def evicted(self) -> bool:
@@ -121,6 +182,18 @@ class Node:
     def gone(self) -> bool:
         """Holds KV that no tier has: it must be recomputed to be read."""
         return self.evicted and self.host_pages is None
+
+    @property
+    def first(self) -> Key:
+        """The key its parent's ``children`` files it under: its first token or its op."""
+        return int(self.key[0]) if self.kind == "tokens" else self.key[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV it holds."""
+        if self.kind == "tokens":
+            return len(self.key)
+        return len(self.held_tokens)
 
     def token_ids(self) -> tuple[int, ...]:
         """Absolute indices of the tokens whose KV this node holds."""
@@ -137,6 +210,16 @@ class Node:
         if self._held_array is None:
             self._held_array = np.asarray(self.held_tokens, np.int64)
         return self._held_array
+
+    def slot_tokens(self, page_size: int) -> np.ndarray:
+        """The token held in each slot of its pages (-1: padding after the last), cached:
+        a plan lays out every node of a view, and its tokens change only by a split."""
+        if self._slot_tokens is None:
+            toks = self.token_array()
+            out = np.full(-(-len(toks) // page_size) * page_size, -1, np.int64)
+            out[: len(toks)] = toks
+            self._slot_tokens = out
+        return self._slot_tokens
 
     def held_ranges(self) -> Ranges:
         """``token_ids()`` as ranges (cached: a node's held tokens change only by a split)."""
@@ -168,32 +251,44 @@ class RadixTree:
         self._dead_cache: tuple[int, set[int]] = (-1, set())
 
     # ------------------------------------------------------------------ matching
-    def match(self, keys: Sequence[Key]) -> list[Node]:
+    def match(self, keys: RequestKeys | Sequence[Key]) -> list[Node]:
         """Longest stored prefix of ``keys``: the node path (root excluded).
 
         Token nodes matched partially are split at the last page boundary inside the match,
-        so every returned node is matched whole. Emptied nodes are matched like any other.
+        so every returned node is matched whole (and nothing after a split can match).
+        Emptied nodes are matched like any other.
         """
+        if not isinstance(keys, RequestKeys):
+            keys = RequestKeys.from_flat(keys)
         path: list[Node] = []
-        node, i = self.root, 0
-        while i < len(keys):
-            best, best_len = None, 0
-            for child in node.children.get(keys[i], ()):
-                if child.kind == "tokens":
-                    n = _common_prefix(child.key, keys, i)
+        node, toks = self.root, keys.tokens
+        for part in keys.parts:
+            if isinstance(part, Op):
+                node = next((c for c in node.children.get(part.item, ())
+                             if c.kind != "tokens"), None)
+                if node is None:
+                    return path
+                path.append(node)
+                continue
+            i = part.start
+            while i < part.end:
+                best, best_len = None, 0
+                for child in node.children.get(int(toks[i]), ()):
+                    if child.kind != "tokens":
+                        continue
+                    n = _common_prefix(child.key, toks, i, part.end)
                     if n < len(child.key):
                         n = (n // self.page_size) * self.page_size
-                else:
-                    n = 1 if child.key[0] == keys[i] else 0
-                if n > best_len:
-                    best, best_len = child, n
-            if best is None:
-                break
-            if best.kind == "tokens" and best_len < len(best.key):
-                best = self.split(best, best_len)
-            path.append(best)
-            i += len(best.key)
-            node = best
+                    if n > best_len:
+                        best, best_len = child, n
+                if best is None:
+                    return path
+                if best_len < len(best.key):
+                    path.append(self.split(best, best_len))
+                    return path
+                path.append(best)
+                i += best_len
+                node = best
         return path
 
     @staticmethod
@@ -218,30 +313,34 @@ class RadixTree:
         if node.host_pages is not None:
             upper.host_pages = node.host_pages[: n // self.page_size]
             node.host_pages = node.host_pages[n // self.page_size :]
-        siblings = node.parent.children[node.key[0]]
+        siblings = node.parent.children[node.first]
         siblings[siblings.index(node)] = upper
         node.key = node.key[n:]
         node.tok_start += n
-        node._held_ranges = None
+        node._held_ranges = node._slot_tokens = None
         node.parent = upper
-        upper.children = {node.key[0]: [node]}
+        upper.children = {node.first: [node]}
         return upper
 
     # ------------------------------------------------------------------ insertion
-    def add_child(self, parent: Node, key: tuple, kind: str, tok_start: int = 0) -> Node:
+    def add_child(self, parent: Node, key: Sequence[Key] | np.ndarray, kind: str,
+                  tok_start: int = 0) -> Node:
+        """A fresh child: ``key`` holds token ids (kind "tokens") or the op item."""
         self._shape_version += 1
+        if kind == "tokens":
+            key = np.array(key, np.int32)
         child = Node(key, kind, parent, tok_start)
-        parent.children.setdefault(key[0], []).append(child)
+        parent.children.setdefault(child.first, []).append(child)
         return child
 
     def remove(self, node: Node) -> None:
         """Detach a childless, page-less node (a plan that was abandoned)."""
         assert not node.children and node.pages is None
         self._shape_version += 1
-        group = node.parent.children[node.key[0]]
+        group = node.parent.children[node.first]
         group.remove(node)
         if not group:
-            del node.parent.children[node.key[0]]
+            del node.parent.children[node.first]
 
     # ------------------------------------------------------------------ locking
     # A lock is taken on the deepest node and walks up to the root, so a later split (which
@@ -369,12 +468,11 @@ class RadixTree:
         self._shape_version += 1
 
 
-def _common_prefix(a: Sequence[Key], keys: Sequence[Key], start: int) -> int:
-    n = 0
-    limit = min(len(a), len(keys) - start)
-    while n < limit and a[n] == keys[start + n]:
-        n += 1
-    return n
+def _common_prefix(a: np.ndarray, toks: np.ndarray, start: int, end: int) -> int:
+    """Length of the common prefix of ``a`` and ``toks[start:end]``."""
+    m = min(len(a), end - start)
+    eq = a[:m] == toks[start : start + m]
+    return m if eq.all() else int(eq.argmin())
 
 
 def _to_ranges(ids: Sequence[int]) -> Ranges:

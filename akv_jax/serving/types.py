@@ -37,11 +37,14 @@ class TokenConstraint(Protocol):
 @dataclasses.dataclass
 class GenerateRequest:
     rid: str
-    segments: list[list[int]]
+    segments: list[list[int]] | list[np.ndarray]
     history: OpHistory
     sampling: SamplingParams = SamplingParams()
     return_logprob: bool = False
     constraint: TokenConstraint | None = None
+    # (timeline, radix keys), made by Engine.prepare off the engine's thread; None: the
+    # engine makes them when the request is added.
+    prepared: tuple | None = None
 
 
 @dataclasses.dataclass

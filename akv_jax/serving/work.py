@@ -14,7 +14,7 @@ import numpy as np
 
 from akv_jax.cache.timeline import Timeline
 from akv_jax.pallas.metadata import SegmentSpec
-from akv_jax.serving.radix import Key, Node
+from akv_jax.serving.radix import Node, RequestKeys
 from akv_jax.serving.types import GenerateRequest
 
 
@@ -57,17 +57,16 @@ class Pass:
 class RequestState:
     req: GenerateRequest
     tl: Timeline
-    keys: list[Key]
-    tok_index: list[int]
-    key_boundary: list[int]
+    keys: RequestKeys
     arrival: float
     status: str = "waiting"  # waiting | prefill | decode | done
     last_node: Node | None = None
     prompt_last_node: Node | None = None
-    # The final version's view, snapshotted as pages and slot tokens: nodes may be split
-    # later by other requests' matches, but their pages never move.
-    view_pages: list[int] = dataclasses.field(default_factory=list)
-    view_toks: np.ndarray | None = None
+    # The final version's view as decode reads it, snapshotted once per prefill: the pages
+    # holding a token it still attends to (int32) and their slots' visibility (bool). Nodes
+    # may be split later by other requests' matches, but their pages never move.
+    view_pages: np.ndarray | None = None
+    view_visible: np.ndarray | None = None
     view_nodes: list[Node] = dataclasses.field(default_factory=list)  # final view, any visible
     gen_pages: list[int] = dataclasses.field(default_factory=list)
     generated: list[int] = dataclasses.field(default_factory=list)
