@@ -213,6 +213,13 @@ def validate_segments(
     if not any(issubclass(k, (Sequence, np.ndarray)) for k in kinds):
         segments, flat_types = [segments], kinds
     end = _INT32_END if vocab_size is None else min(vocab_size, _INT32_END)
+    if kinds == {np.ndarray} and all(
+        a.ndim == 1 and a.dtype == np.int32 and a.size for a in segments
+    ):
+        # The API's segments (int32 arrays already): one range check over all of them.
+        if np.concatenate(segments).view(np.uint32).max() < end:
+            return list(segments)
+        return _walk_segments(segments, field, end)
     out = []
     for seg in segments:
         ids = _segment_array(seg, end, flat_types)

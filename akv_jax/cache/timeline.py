@@ -11,6 +11,7 @@ semantics live in one place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,6 +32,13 @@ class Timeline:
     final_pos: np.ndarray  # [T] positions after the last boundary
     final_active: np.ndarray  # [T] still attended after the last boundary
     next_pos: int  # position of the next appended token
+
+    @functools.cached_property
+    def seg_active(self) -> np.ndarray:
+        """[n] segments with a token still attended after the last boundary."""
+        out = np.zeros(len(self.seg_lens), bool)
+        out[self.token_seg[self.final_active]] = True
+        return out
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from akv_jax.cache.timeline import Timeline
-from akv_jax.pallas.metadata import SegmentSpec
+from akv_jax.pallas.metadata import SegmentSpec, pages_with_a_slot
 from akv_jax.serving.cache_manager import CacheManager
 from akv_jax.serving.radix import Node, Op
 from akv_jax.serving.work import Pass, RequestState
@@ -26,24 +26,73 @@ class PoolTooSmall(RuntimeError):
     """A request that can never fit the KV pool as its prefix is stored."""
 
 
-def visible(tl: Timeline, toks: np.ndarray, seg: int) -> np.ndarray:
-    """Which of the absolute tokens ``toks`` (-1: padding) segment ``seg`` attends to."""
-    ok = toks >= 0
-    out = np.zeros(len(toks), bool)
-    out[ok] = tl.drop_boundary[tl.token_seg[toks[ok]]] >= seg
+def view_layout(tl: Timeline, view: list[Node], seg_seen: np.ndarray, page_size: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """``(pages, slot visibility)`` of ``view`` for a reader that sees the tokens of the
+    segments where ``seg_seen`` holds, without the pages that hold no visible slot.
+
+    Work per node, not per token: a token node lies in one segment, so it is wholly seen or
+    unseen (one array lookup for the whole view), and a prefix the session sent before
+    costs a list extension a node. Nodes are page-aligned, so dropping pages node by node
+    drops the same pages as over the whole view. An emptied node nothing here can see
+    stands in as page 0 with every slot invisible (the planner guarantees nobody attends
+    to it)."""
+    one_seg = segments_of(tl, view)
+    hit = seg_seen[one_seg] & (one_seg >= 0)
+    pages: list[np.ndarray] = []
+    vis: list[np.ndarray] = []
+    for v, seg, is_seen in zip(view, one_seg.tolist(), hit.tolist(), strict=True):
+        if seg >= 0 and not is_seen:
+            continue
+        node_pages = (v.page_array() if v.pages is not None
+                      else np.zeros(v.num_pages(page_size), np.int32))
+        if seg >= 0:
+            pages.append(node_pages)
+            vis.append(v.slot_valid(page_size))
+            continue
+        toks = v.slot_tokens(page_size)
+        ok = toks >= 0
+        slots = np.zeros(len(toks), bool)
+        slots[ok] = seg_seen[tl.token_seg[toks[ok]]]
+        keep = pages_with_a_slot(slots.reshape(-1, page_size))
+        pages.append(node_pages[keep])
+        vis.append(slots.reshape(-1, page_size)[keep].reshape(-1))
+    if not pages:
+        return np.zeros(0, np.int32), np.zeros(0, bool)
+    return np.concatenate(pages), np.concatenate(vis)
+
+
+def segments_of(tl: Timeline, nodes: list[Node]) -> np.ndarray:
+    """Per node, the one segment all of its tokens belong to, or -1 (a repos node, or a
+    token node split at another request's message boundaries spanning several)."""
+    span = [(v.tok_start, v.tok_start + len(v.key) - 1) if v.kind == "tokens" and len(v.key)
+            else (-1, -1) for v in nodes]
+    if not span:
+        return np.zeros(0, np.int64)
+    ends = np.asarray(span, np.int64).reshape(-1, 2)
+    segs = tl.token_seg[ends]  # a -1 reads the last token: masked below
+    return np.where((ends[:, 0] >= 0) & (segs[:, 0] == segs[:, 1]), segs[:, 0], -1)
+
+
+def seen(tl: Timeline, nodes: list[Node], seg_seen: np.ndarray) -> list[bool]:
+    """Per node, whether a reader that sees the segments where ``seg_seen`` holds sees any
+    of its tokens."""
+    one_seg = segments_of(tl, nodes)
+    out = (seg_seen[one_seg] & (one_seg >= 0)).tolist()
+    for i in np.flatnonzero(one_seg < 0).tolist():
+        out[i] = bool(seg_seen[tl.token_seg[nodes[i].token_array()]].any())
     return out
 
 
-def visible_pages(pages: list[int], vis: np.ndarray, page_size: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """A view without its pages that hold no visible slot: ``(pages, slot visibility)``,
-    the slots of the pages kept, in order. Attention skips nothing it would have read (an
-    invisible slot contributes nothing), and a step over a history that dropped most of
-    its tokens reads, and its metadata holds, only the pages still attended."""
-    slots = np.zeros((len(pages), page_size), bool)
-    slots.reshape(-1)[: len(vis)] = vis
-    keep = slots.any(axis=1)
-    return np.asarray(pages, np.int32)[keep], slots[keep].reshape(-1)
+def seen_until(tl: Timeline, nodes: list[Node]) -> list[int]:
+    """Per node, the last boundary before which any of its tokens is still attended
+    (segment s sees it iff the value is >= s), -1 when it holds none."""
+    one_seg = segments_of(tl, nodes)
+    out = tl.drop_boundary[one_seg].tolist()
+    for i in np.flatnonzero(one_seg < 0).tolist():
+        toks = nodes[i].token_array()
+        out[i] = int(tl.drop_boundary[tl.token_seg[toks]].max()) if len(toks) else -1
+    return out
 
 
 def final_view(path: list[Node]) -> list[Node]:
@@ -92,7 +141,8 @@ class Planner:
             # Another request computes part of this path in this step, or in slices still to
             # run: its pages are not written yet (too late for this pass's pre-pass copies).
             return None
-        final = [v for v in final_view(path) if r.tl.final_active[v.token_array()].any()]
+        view = final_view(path)
+        final = [v for v, ok in zip(view, seen(r.tl, view, r.tl.seg_active), strict=True) if ok]
         compute, needed = self.choose_compute(r, path, fresh, final)
         used = [n for n in path if n.id in compute or n.id in needed]
         # Needed KV that only the host tier holds is copied back, not recomputed.
@@ -171,14 +221,10 @@ class Planner:
         compute = {n.id for n in path if n.id in fresh and n.kind != "drop"}
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
         compute.add(last_tok.id)
-        # Per node, once: the last boundary before which any of its tokens is still attended
-        # (segment s sees node v iff reach[v] >= s), and its tokens; the fixpoint below then
-        # compares integers instead of rescanning every view per computed node.
-        toks = {n.id: n.token_array() for n in path if n.kind != "drop"}
-        reach = {
-            i: int(tl.drop_boundary[tl.token_seg[t]].max()) if len(t) else -1
-            for i, t in toks.items()
-        }
+        # Per node, once: the fixpoint below then compares integers instead of rescanning
+        # every view per computed node.
+        kv_nodes = [n for n in path if n.kind != "drop"]
+        until = dict(zip((n.id for n in kv_nodes), seen_until(tl, kv_nodes), strict=True))
         while True:
             needed = {v.id for v in final}
             view: list[Node] = []
@@ -186,13 +232,13 @@ class Planner:
                 if node.kind == "tokens":
                     if node.id in compute:
                         s = int(tl.token_seg[node.tok_start])
-                        needed |= {v.id for v in view if reach[v.id] >= s}
+                        needed |= {v.id for v in view if until[v.id] >= s}
                     view.append(node)
                 elif node.kind == "repos":
                     if node.id in compute:
                         held = np.zeros(tl.num_tokens, bool)
-                        held[toks[node.id]] = True
-                        needed |= {v.id for v in view if held[toks[v.id]].any()}
+                        held[node.token_array()] = True
+                        needed |= {v.id for v in view if held[v.token_array()].any()}
                     view = [node]
             extra = {n.id for n in path if n.id in needed and n.gone} - compute
             if not extra:
@@ -226,9 +272,7 @@ class Planner:
                 slots = _slots(node.pages, len(node.key), ps)
                 if node.id in compute:
                     seg = int(tl.token_seg[node.tok_start])
-                    view_toks = self._view_tokens(view)
-                    pages, vis = visible_pages(self._view_pages(view),
-                                               visible(tl, view_toks, seg), ps)
+                    pages, vis = view_layout(tl, view, tl.drop_boundary >= seg, ps)
                     p.segments.append(
                         SegmentSpec(
                             q_start=len(p.tokens),
@@ -275,10 +319,7 @@ class Planner:
                     src = {t: src.get(t) for t in held}
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
         p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
-        view_toks = self._view_tokens(view)
-        vis = view_toks >= 0
-        vis[vis] = tl.final_active[view_toks[vis]]
-        r.view_pages, r.view_visible = visible_pages(self._view_pages(view), vis, ps)
+        r.view_pages, r.view_visible = view_layout(tl, view, tl.seg_active, ps)
         r.view_nodes = final
         r.last_node = path[-1]
         r.prompt_last_node = path[-1]
@@ -318,21 +359,6 @@ class Planner:
             ],
             logits_row=n - 1,
         )
-
-    # ------------------------------------------------------------------ helpers
-    def _view_tokens(self, view: list[Node]) -> np.ndarray:
-        """Absolute token index held in each slot of the view's pages (-1 for padding)."""
-        if not view:
-            return np.zeros(0, np.int64)
-        return np.concatenate([v.slot_tokens(self.page_size) for v in view])
-
-    def _view_pages(self, view: list[Node]) -> list[int]:
-        """Pages of a view; an emptied node nothing here can see stands in as page 0 with
-        every slot invisible (the planner guarantees nobody attends to it)."""
-        out: list[int] = []
-        for v in view:
-            out += v.pages if v.pages is not None else [0] * self.cache.node_pages(v)
-        return out
 
 
 def _slots(pages: list[int], n: int, page_size: int) -> list[int]:

@@ -151,6 +151,9 @@ class Node:
         "_held_ranges",
         "_held_array",
         "_slot_tokens",
+        "_slot_valid",
+        "_page_list",
+        "_page_array",
     )
 
     def __init__(self, key: tuple | np.ndarray, kind: str, parent: Node | None,
@@ -172,6 +175,9 @@ class Node:
         self._held_ranges: Ranges | None = None
         self._held_array: np.ndarray | None = None
         self._slot_tokens: np.ndarray | None = None
+        self._slot_valid: np.ndarray | None = None
+        self._page_list: list[int] | None = None
+        self._page_array: np.ndarray | None = None
 
     @property
     def evicted(self) -> bool:
@@ -220,6 +226,25 @@ class Node:
             out[: len(toks)] = toks
             self._slot_tokens = out
         return self._slot_tokens
+
+    def page_array(self) -> np.ndarray:
+        """``pages`` as an int32 array, cached while ``pages`` is the same list (every change
+        of a node's pages assigns a new one); zeros, page 0, for an emptied node."""
+        if self._page_list is not self.pages or self._page_array is None:
+            self._page_list = self.pages
+            self._page_array = (np.asarray(self.pages, np.int32) if self.pages is not None
+                                else np.zeros(0, np.int32))
+        return self._page_array
+
+    def num_pages(self, page_size: int) -> int:
+        """Pages it holds when resident (token runs start on a fresh page)."""
+        return -(-self.num_tokens // page_size)
+
+    def slot_valid(self, page_size: int) -> np.ndarray:
+        """Which slots of its pages hold a token (the rest pad the last page), cached."""
+        if self._slot_valid is None:
+            self._slot_valid = self.slot_tokens(page_size) >= 0
+        return self._slot_valid
 
     def held_ranges(self) -> Ranges:
         """``token_ids()`` as ranges (cached: a node's held tokens change only by a split)."""
@@ -317,7 +342,7 @@ class RadixTree:
         siblings[siblings.index(node)] = upper
         node.key = node.key[n:]
         node.tok_start += n
-        node._held_ranges = node._slot_tokens = None
+        node._held_ranges = node._slot_tokens = node._slot_valid = None
         node.parent = upper
         upper.children = {node.first: [node]}
         return upper
