@@ -5,6 +5,7 @@ chunked jnp path."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 
 import jax
@@ -109,6 +110,42 @@ def test_kernel_tiles_nan_pool_and_padding_segments():
                                     sinks=s, sliding_window=w, layer=jnp.int32(1))
         _assert_close(got[:43], want[:43], jnp.float32)
         assert not np.asarray(got[43:]).any(), "rows no block covers come out as zeros"
+
+
+def test_kernel_chunks_fold_to_the_same_bits_however_shared_out():
+    """One query token over a view of ~3,400 keys (four 1,024-key chunks, a dropped span
+    across a chunk's edge, a window, sinks, a NaN pool outside the view). Alone it is fewer
+    items than threads, so each chunk runs as an item of its own and the chunks fold
+    afterwards; beside a second segment every chunk runs in one item. Both match the
+    float64 oracle and each other bit for bit."""
+    assert os.cpu_count() >= 2, "one core never splits a step: the test would prove nothing"
+    ps, Hkv, G, Dh, block_q = 16, 1, 3, 16, 8
+    rng = np.random.default_rng(11)
+    P = 400
+    k = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
+    v = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
+    k[300:], v[300:] = np.nan, np.nan  # never part of a view
+    n = 3400
+    vis = np.ones(n, bool)
+    vis[1000:1100] = False  # dropped, across the first chunk's end
+    long = SegmentSpec(q_start=0, q_len=1, pages=list(range(0, 213)), kv_visible=vis,
+                       causal_pos=n - 1)
+    other = SegmentSpec(q_start=1, q_len=5, pages=list(range(213, 300)),
+                        kv_visible=np.ones(1000, bool), causal_pos=995)
+    q = jnp.asarray(rng.standard_normal((8, Hkv * G, Dh)).astype(np.float32))
+    sinks = jnp.linspace(-1.0, 1.0, Hkv * G)
+    for w, s in ((None, None), (2500, sinks)):
+        outs = []
+        for specs in ([long], [long, other]):
+            batch = build_segment_batch(specs, page_size=ps, block_q=block_q, num_segments=2)
+            got = segment_attention_cpu(q, jnp.asarray(k), jnp.asarray(v), batch,
+                                        block_q=block_q, sm_scale=0.25, sinks=s,
+                                        sliding_window=w)
+            want = dense_oracle(q, k, v, specs, ps, 0.25, sinks=s, window=w)
+            _assert_close(got[: sum(sp.q_len for sp in specs)],
+                          want[: sum(sp.q_len for sp in specs)], jnp.float32)
+            outs.append(np.asarray(got[:1]))
+        assert outs[0].tobytes() == outs[1].tobytes(), f"window {w}: bits depend on the split"
 
 
 def _ffi_targets(fn, *args) -> str:

@@ -65,6 +65,12 @@ constexpr int RT_FEW = 4;
 constexpr int RT_MAX = RT > RT_FEW ? RT : RT_FEW;
 static_assert(KV % QK_V == 0, "the score passes cover the tile's key vectors exactly");
 constexpr int BLK_FIELDS = 6;   // seg, q_start, q_len, kv_pos, lo, hi
+// Keys per chunk: a row's softmax runs per chunk of the compacted view (chunk c holds keys
+// [c * CH, (c + 1) * CH)) and the chunks fold in order. Their bounds depend on the view
+// alone, so a row's bits are the same whether one item ran all of its chunks or, when a
+// step has fewer items than threads (one long decode), each chunk ran on its own.
+constexpr int64_t CH = 1024;
+static_assert(CH % TK == 0, "chunks hold whole tiles");
 
 using akv::hmax;
 using akv::hsum;
@@ -87,9 +93,56 @@ struct Problem {
   float sm_scale;
 };
 
-// One (block, kv head) item. NV: Dh / W vectors per head row.
+// Folds chunk state (mc, lc, accc) into a row's running state (m, l, acc). One compiled
+// body for every caller, so that a chunk folds to the same bits wherever it ran.
+__attribute__((noinline)) void fold(int64_t dh, float* m, float* l, float* acc, float mc,
+                                    float lc, const float* accc) {
+  if (!(mc > -std::numeric_limits<float>::infinity())) return;  // the chunk saw nothing
+  const float mn = std::max(*m, mc);
+  const float a = *m == mn ? 1.f : std::exp(*m - mn);  // 0 when nothing was seen yet
+  const float c = mc == mn ? 1.f : std::exp(mc - mn);
+  *l = *l * a + lc * c;
+  const vf av = splat(a), cv = splat(c);
+  for (int64_t d = 0; d < dh; d += W) vstore(acc + d, vload(acc + d) * av + vload(accc + d) * cv);
+  *m = mn;
+}
+
+// A row's starting state: its sink (one more logit with no value) or nothing seen.
+inline void start_row(const Problem& pb, int64_t hq, float* m, float* l) {
+  *m = pb.sinks ? pb.sinks[hq] : -std::numeric_limits<float>::infinity();
+  *l = pb.sinks ? 1.f : 0.f;
+}
+
+// The output rows of (block b, kv head h) from their final states.
+__attribute__((noinline)) void finish(const Problem& pb, int64_t b, int64_t h, const float* l,
+                                      const float* acc) {
+  const int32_t* bk = pb.blk + b * BLK_FIELDS;
+  const int64_t q_start = bk[1], R = int64_t(bk[2]) * pb.G, Dh = pb.Dh;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / pb.G, g = r % pb.G;
+    float* dst = pb.out + ((q_start + i) * pb.Hq + h * pb.G + g) * Dh;
+    const float inv = 1.f / std::max(l[r], 1e-30f);
+    for (int64_t d = 0; d < Dh; ++d) dst[d] = acc[r * Dh + d] * inv;
+  }
+}
+
+// The chunks [c0, c1) that block b's keys fall in.
+inline void chunk_range(const Problem& pb, int64_t b, int64_t* c0, int64_t* c1) {
+  const int32_t* bk = pb.blk + b * BLK_FIELDS;
+  const int64_t lo = int64_t(bk[4]) * pb.ps, hi = int64_t(bk[5]) * pb.ps;
+  *c0 = lo / CH;
+  *c1 = hi > lo ? (hi + CH - 1) / CH : *c0;
+}
+
+// Rows a partial state holds per (block, kv head, chunk): a block's rows, padded.
+inline int64_t partial_rows(const Problem& pb) { return pb.block_q * pb.G; }
+
+// One (block, kv head) item over chunks [c0, c1) of its keys. Without ``partial`` it folds
+// them into the rows' states and writes the output; with it, it runs one chunk (c1 = c0 + 1)
+// and leaves that chunk's state there ([m, l, acc[Dh]] a row) for :func:`Impl` to fold.
+// NV: Dh / W vectors per head row.
 template <int NV>
-void attend(const Problem& pb, int64_t b, int64_t h) {
+void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, float* partial) {
   const int32_t* bk = pb.blk + b * BLK_FIELDS;
   const int32_t seg = bk[0], q_start = bk[1], q_len = bk[2], kv_pos = bk[3];
   const int64_t lo = bk[4], hi = bk[5];
@@ -99,7 +152,9 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
   // Padded to whole register tiles (the few-row path reads RT_FEW rows).
   const int64_t Rp = std::max<int64_t>((R + RT - 1) / RT * RT, RT_FEW);
 
-  std::vector<float> qs(Rp * Dh, 0.f), acc(Rp * Dh, 0.f), m(Rp), l(Rp);
+  // The chunk's state (m, l, acc: what the tiles update) and the rows' running state.
+  std::vector<float> qs(Rp * Dh, 0.f), acc(Rp * Dh), m(Rp), l(Rp);
+  std::vector<float> run_acc(Rp * Dh, 0.f), run_m(Rp), run_l(Rp);
   std::vector<int32_t> pos(Rp, -1), wlo(Rp, 0);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = r / G, g = r % G, hq = h * G + g;
@@ -107,17 +162,7 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
     for (int64_t d = 0; d < Dh; ++d) qs[r * Dh + d] = src[d] * pb.sm_scale;
     pos[r] = kv_pos + int32_t(i);
     if (pb.win) wlo[r] = pb.win[b * pb.block_q + i];
-    if (pb.sinks) {  // a sink is one more logit with no value: it starts the softmax
-      m[r] = pb.sinks[hq];
-      l[r] = 1.f;
-    } else {
-      m[r] = -std::numeric_limits<float>::infinity();
-      l[r] = 0.f;
-    }
-  }
-  for (int64_t r = R; r < Rp; ++r) {  // padding rows see nothing
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
+    start_row(pb, hq, &run_m[r], &run_l[r]);
   }
 
   // Few rows (a decode step: one token's G query heads) score each key with dot products
@@ -246,57 +291,78 @@ void attend(const Problem& pb, int64_t b, int64_t h) {
     }
   };
 
-  for (int64_t k0 = lo * ps; k0 < hi * ps; k0 += TK) {
-    nk = std::min<int64_t>(TK, hi * ps - k0);
-    bool any = false;
-    dense = true;
-    smin = std::numeric_limits<int32_t>::max();
-    smax = -1;
-    for (int64_t j = 0; j < TK; ++j) {
-      int32_t s = j < nk ? seg_pos[k0 + j] : -1;
-      if (s > max_pos) s = -1;
-      sp[j] = s;
-      if (s < 0) {
-        dense = false;
-        kp[j] = vp[j] = zeros;
+  for (int64_t chunk = c0; chunk < c1; ++chunk) {
+    const int64_t cb = std::max(lo * ps, chunk * CH), ce = std::min(hi * ps, (chunk + 1) * CH);
+    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());  // padding rows
+    std::fill(l.begin(), l.end(), 0.f);                                      // see nothing
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t k0 = cb; k0 < ce; k0 += TK) {
+      nk = std::min<int64_t>(TK, ce - k0);
+      bool any = false;
+      dense = true;
+      smin = std::numeric_limits<int32_t>::max();
+      smax = -1;
+      // Key k0 + j is slot off of compacted page pg, stepped along rather than divided out
+      // a key (a 64-bit division is tens of cycles; a one-row step has little else to do).
+      int64_t pg = k0 / ps, off = k0 % ps;
+      for (int64_t j = 0; j < TK; ++j) {
+        int32_t s = j < nk ? seg_pos[k0 + j] : -1;
+        if (s > max_pos) s = -1;
+        sp[j] = s;
+        if (s < 0) {
+          dense = false;
+          kp[j] = vp[j] = zeros;
+        } else {
+          any = true;
+          smin = std::min(smin, s);
+          smax = std::max(smax, s);
+          const int64_t slot = int64_t(seg_pages[pg]) * ps + off;
+          kp[j] = pb.k + slot * stride + h * Dh;
+          vp[j] = pb.v + slot * stride + h * Dh;
+        }
+        if (++off == ps) {
+          off = 0;
+          ++pg;
+        }
+      }
+      if (!any) continue;
+      for (int c = 0; c < KV; ++c) spv[c] = viload(sp + c * W);
+      if (few_rows) {
+        row_tile(std::integral_constant<int, RT_FEW>{}, std::true_type{}, 0);
         continue;
       }
-      any = true;
-      smin = std::min(smin, s);
-      smax = std::max(smax, s);
-      const int64_t kk = k0 + j;
-      const int64_t slot = int64_t(seg_pages[kk / ps]) * ps + kk % ps;
-      kp[j] = pb.k + slot * stride + h * Dh;
-      vp[j] = pb.v + slot * stride + h * Dh;
-    }
-    if (!any) continue;
-    for (int c = 0; c < KV; ++c) spv[c] = viload(sp + c * W);
-    if (few_rows) {
-      row_tile(std::integral_constant<int, RT_FEW>{}, std::true_type{}, 0);
-      continue;
-    }
-    // W x W blocks transposed in registers rather than element by element (a Zen 4 host,
-    // one SmolLM2 layer's 2,000-token prefill: 28.9 -> 28.3 ms, alternating).
-    for (int64_t j0 = 0; j0 < TK; j0 += W)
-      for (int64_t d0 = 0; d0 < Dh; d0 += W) {
-        vf blk[W];
-        for (int i = 0; i < W; ++i) blk[i] = vload(kp[j0 + i] + d0);
-        akv::transpose(blk);
-        for (int i = 0; i < W; ++i) vstore(kt + (d0 + i) * TK + j0, blk[i]);
+      // W x W blocks transposed in registers rather than element by element (a Zen 4 host,
+      // one SmolLM2 layer's 2,000-token prefill: 28.9 -> 28.3 ms, alternating).
+      for (int64_t j0 = 0; j0 < TK; j0 += W)
+        for (int64_t d0 = 0; d0 < Dh; d0 += W) {
+          vf blk[W];
+          for (int i = 0; i < W; ++i) blk[i] = vload(kp[j0 + i] + d0);
+          akv::transpose(blk);
+          for (int i = 0; i < W; ++i) vstore(kt + (d0 + i) * TK + j0, blk[i]);
+        }
+      if (R <= RT_FEW) {  // one token's query heads: no register tile of padding rows
+        row_tile(std::integral_constant<int, RT_FEW>{}, std::false_type{}, 0);
+        continue;
       }
-    for (int64_t r0 = 0; r0 < R; r0 += RT)
-      row_tile(std::integral_constant<int, RT>{}, std::false_type{}, r0);
+      for (int64_t r0 = 0; r0 < R; r0 += RT)
+        row_tile(std::integral_constant<int, RT>{}, std::false_type{}, r0);
+    }
+    if (partial) {
+      for (int64_t r = 0; r < R; ++r) {
+        float* out = partial + r * (Dh + 2);
+        out[0] = m[r];
+        out[1] = l[r];
+        std::copy(acc.data() + r * Dh, acc.data() + (r + 1) * Dh, out + 2);
+      }
+      return;
+    }
+    for (int64_t r = 0; r < R; ++r)
+      fold(Dh, &run_m[r], &run_l[r], run_acc.data() + r * Dh, m[r], l[r], acc.data() + r * Dh);
   }
-
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = r / G, g = r % G;
-    float* dst = pb.out + ((q_start + i) * Hq + h * G + g) * Dh;
-    const float inv = 1.f / std::max(l[r], 1e-30f);
-    for (int64_t d = 0; d < Dh; ++d) dst[d] = acc[r * Dh + d] * inv;
-  }
+  finish(pb, b, h, run_l.data(), run_acc.data());
 }
 
-using ItemFn = void (*)(const Problem&, int64_t, int64_t);
+using ItemFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*);
 
 template <int NV>
 ItemFn pick(int64_t nv) {
@@ -344,11 +410,69 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   pb.out = out->typed_data();
   std::memset(pb.out, 0, sizeof(float) * pb.T * pb.Hq * pb.Dh);  // rows no block covers
   const ItemFn fn = pick<16 / W>(pb.Dh / W);
-  const int64_t n_items = blk.dimensions()[0] * pb.Hkv;
-  akv::parallel_for(pool, n_items, [&pb, fn, n_items](int64_t it) {
-    // Largest first: later blocks of a causal prefill see the most keys.
-    fn(pb, (n_items - 1 - it) / pb.Hkv, (n_items - 1 - it) % pb.Hkv);
+  const int64_t NB = blk.dimensions()[0], n_items = NB * pb.Hkv;
+  // Items that read keys: fewer than the threads (one long decode step), and each
+  // chunk of a block's keys becomes an item of its own, folded in order afterwards.
+  int64_t n_chunks = 0, real = 0;
+  for (int64_t b = 0; b < NB; ++b) {
+    int64_t c0, c1;
+    chunk_range(pb, b, &c0, &c1);
+    if (pb.blk[b * BLK_FIELDS] >= 0 && pb.blk[b * BLK_FIELDS + 2] > 0) {
+      ++real;
+      n_chunks += c1 - c0;
+    }
+  }
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (real * pb.Hkv >= threads || n_chunks <= real) {
+    akv::parallel_for(pool, n_items, [&pb, fn, n_items](int64_t it) {
+      // Largest first: later blocks of a causal prefill see the most keys.
+      const int64_t b = (n_items - 1 - it) / pb.Hkv, h = (n_items - 1 - it) % pb.Hkv;
+      int64_t c0, c1;
+      chunk_range(pb, b, &c0, &c1);
+      fn(pb, b, h, c0, c1, nullptr);
+    });
+    return ffi::Error::Success();
+  }
+  // (block, chunk, kv head) items; a chunk's kv heads run next to each other.
+  std::vector<int64_t> item_b, item_c, first;  // first[b]: block b's first item
+  for (int64_t b = 0; b < NB; ++b) {
+    int64_t c0, c1;
+    chunk_range(pb, b, &c0, &c1);
+    first.push_back(int64_t(item_b.size()));
+    if (pb.blk[b * BLK_FIELDS] < 0 || pb.blk[b * BLK_FIELDS + 2] <= 0) continue;
+    for (int64_t c = c0; c < c1; ++c) {
+      item_b.push_back(b);
+      item_c.push_back(c);
+    }
+  }
+  const int64_t stride = partial_rows(pb) * (pb.Dh + 2);
+  std::vector<float> partials(item_b.size() * pb.Hkv * stride);
+  akv::parallel_for(pool, int64_t(item_b.size()), [&](int64_t i) {
+    for (int64_t h = 0; h < pb.Hkv; ++h)
+      fn(pb, item_b[i], h, item_c[i], item_c[i] + 1, partials.data() + (i * pb.Hkv + h) * stride);
   });
+  std::vector<float> run_acc, run_m, run_l;
+  for (int64_t b = 0; b < NB; ++b) {
+    const int32_t* bk = pb.blk + b * BLK_FIELDS;
+    if (bk[0] < 0 || bk[2] <= 0) continue;
+    const int64_t R = int64_t(bk[2]) * pb.G;
+    int64_t c0, c1;
+    chunk_range(pb, b, &c0, &c1);
+    for (int64_t h = 0; h < pb.Hkv; ++h) {
+      run_acc.assign(R * pb.Dh, 0.f);
+      run_m.resize(R);
+      run_l.resize(R);
+      for (int64_t r = 0; r < R; ++r) start_row(pb, h * pb.G + r % pb.G, &run_m[r], &run_l[r]);
+      for (int64_t c = c0; c < c1; ++c) {
+        const float* part = partials.data() + ((first[b] + c - c0) * pb.Hkv + h) * stride;
+        for (int64_t r = 0; r < R; ++r) {
+          const float* pr = part + r * (pb.Dh + 2);
+          fold(pb.Dh, &run_m[r], &run_l[r], run_acc.data() + r * pb.Dh, pr[0], pr[1], pr + 2);
+        }
+      }
+      finish(pb, b, h, run_l.data(), run_acc.data());
+    }
+  }
   return ffi::Error::Success();
 }
 

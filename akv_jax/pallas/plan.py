@@ -150,9 +150,18 @@ def plan_pages(
     # The contract: page_visible marks pages holding a visible slot; the rest are skipped.
     page_ok = batch.page_visible & (page_start[None, :] < batch.kv_len[:, None])  # [S, MP]
 
-    # Stable sort puts visible pages first and keeps their view order.
-    order = jnp.argsort(~page_ok, axis=1, stable=True).astype(jnp.int32)  # [S, MP]
+    # Visible pages first in view order, then the rest in order: a stable partition, as
+    # argsort(~page_ok, stable=True) gives it, by prefix counts and one scatter (a sort over
+    # a long view's pages cost more than the attention it plans, on the CPU).
     count = page_ok.sum(axis=1).astype(jnp.int32)  # [S]
+    ok_rank = jnp.cumsum(page_ok, axis=1, dtype=jnp.int32) - 1
+    other_rank = count[:, None] + jnp.cumsum(~page_ok, axis=1, dtype=jnp.int32) - 1
+    dest = jnp.where(page_ok, ok_rank, other_rank)  # [S, MP] a permutation of each row
+    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], (S, MP))
+    order = jnp.zeros((S, MP), jnp.int32).at[rows, dest].set(
+        jnp.broadcast_to(jnp.arange(MP, dtype=jnp.int32)[None, :], (S, MP)),
+        unique_indices=True,
+    )
     in_list = jnp.arange(MP)[None, :] < count[:, None]
     phys = jnp.take_along_axis(batch.page_table, order, axis=1)
     # Pad with the last visible page (already in cache) so padded reads cost nothing extra.

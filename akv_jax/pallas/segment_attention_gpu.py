@@ -80,6 +80,9 @@ def _gpu_kernel(
     steps = pl.cdiv(jnp.maximum(end - start, 0), pages_per_step)
 
     q = q_ref[...]
+    # float32 in full (IEEE) precision: a GPU's default float32 dot is TF32, 10 bits of
+    # mantissa, which the reference and the 1e-4 promise do not allow.
+    prec = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
     row_pos = kv_pos + jax.lax.broadcasted_iota(jnp.int32, (M, 1), 0) // group_pad
     if win_ref is not None:
         row_lo = win_ref[...][:, None]  # [M, 1]
@@ -100,7 +103,7 @@ def _gpu_kernel(
             # interpret. q is zero there, but 0 * NaN is not zero.
             lane = jax.lax.broadcasted_iota(jnp.int32, (1, Dp), 1)
             k = jnp.where(lane < head_dim, k, jnp.zeros_like(k))
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale
+        s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * sm_scale
         mask = (pos >= 0) & (pos <= row_pos)
         if win_ref is not None:  # the window counts visible slots (see plan.window_start)
             mask &= pos >= row_lo
@@ -113,7 +116,7 @@ def _gpu_kernel(
         # Invisible slots may hold NaN; 0 * NaN would leak through the matmul.
         v = jnp.where(pos.reshape(bk, 1) >= 0, v, jnp.zeros_like(v))
         acc = alpha[:, None] * acc + jnp.dot(
-            p.astype(v.dtype), v, preferred_element_type=jnp.float32
+            p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32
         )
         return acc, m_new, lsum
 
