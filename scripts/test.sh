@@ -16,6 +16,9 @@ aot_build=$!
 workers="${AKV_TEST_WORKERS:-2}"
 # --durations: the slowest tests in the log, to keep the suite inside CI's 30 minutes.
 "$py" -m pytest -q -ra -n "$workers" --dist loadfile --durations=25 "$@"
+# The GPU device check's plumbing, on the CPU (small shapes, Pallas interpreted): what a lent
+# GPU will run must work before device time is spent on it (docs/device_check.md).
+OUT=.ci-logs/device_check bash scripts/device_check.sh --cpu
 XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra \
   -n "$workers" --dist loadfile --durations=15 -m "multidevice and not slow" \
   tests/

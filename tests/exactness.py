@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import jax
 import numpy as np
-import pytest
 
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import add_random_ops, parse_history
@@ -227,6 +226,8 @@ def check_protocol(model, topology: dict, num_requests: int, history_seed: int,
     really evict and restore. ``host_tier``: with the host tier's phases (once per topology:
     the tier moves bytes, whatever the model). For the multidevice processes."""
     if jax.device_count() < 4:
+        import pytest  # here, not at the top: bench/device_check.py runs the harness without it
+
         pytest.fail("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (own process)")
     dm = DenseModel(model.params, model.cfg)
     reqs = random_histories(np.random.default_rng(history_seed), num_requests,

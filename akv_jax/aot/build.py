@@ -259,9 +259,15 @@ def compile_one(
         }
     result.__dict__.update(_cost(lowered, compiled))
     per_dev = result.devices if result.cost_source == "lowered" else 1
-    result.estimate_s = max(result.flops / per_dev / target.peak_bf16_flops,
-                            result.bytes / per_dev / target.hbm_bytes_per_s)
+    result.estimate_s = roofline_s(result.flops, result.bytes, target, per_dev)
     return result
+
+
+def roofline_s(flops: float, nbytes: float, target: Target, devices: int = 1) -> float:
+    """The roofline estimate of a program's time: ``max(flops / peak, bytes / bandwidth)``
+    per device, the work split evenly over ``devices``, at the data-sheet peaks."""
+    return max(flops / devices / target.peak_bf16_flops,
+               nbytes / devices / target.hbm_bytes_per_s)
 
 
 # ---------------------------------------------------------------------------------------
@@ -422,20 +428,36 @@ def kv_bytes_per_token(cfg: ModelConfig, tp: int, dtype: Any = jnp.bfloat16) -> 
     return 2 * cfg.num_layers * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def step_args(cfg: ModelConfig, case: StepCase, devices: tuple) -> tuple:
-    """Arguments of ``_forward_step`` as the executor builds them (its buckets), abstract."""
-    mesh = make_mesh(case.tp, list(devices[: case.tp]))
-    rep = NamedSharding(mesh, PartitionSpec())
+# The steps compiled and estimated: a decode step of 16 running requests (the server's
+# default --max-running-requests) over 4,096-token views, and one prefill chunk (the server's
+# default --prefill-chunk) on an empty cache.
+DECODE_REQUESTS, DECODE_VIEW = 16, 4096
+PREFILL_TOKENS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Host arrays of one step's inputs besides params, pool and RoPE table."""
+
+    tokens: np.ndarray  # [T] int32
+    q_pos: np.ndarray  # [T] int32
+    writes: KVWrites  # slots and positions, [1, T] int32 each
+    batch: Any  # SegmentBatch (numpy leaves)
+    block_q: int
+    rows: np.ndarray  # logits rows
+
+
+def step_inputs(case: StepCase, requests: int = DECODE_REQUESTS,
+                view: int = DECODE_VIEW) -> StepInputs:
+    """The step's inputs as the executor builds them (its buckets): decode, ``requests``
+    rows each at the end of its own ``view``-token view (contiguous pages, request ``i``'s
+    from page ``i * view / page size``); prefill, one :data:`PREFILL_TOKENS`-token chunk on an
+    empty cache. Rows past the real ones write nowhere (a slot past the pool)."""
     ps = PAGE_SIZE
-    P = case.pool_tokens // ps
-    kv_shape = (cfg.num_layers, P, ps, cfg.num_kv_heads, cfg.head_dim)
-    kv_sh = NamedSharding(mesh, logical_to_spec(KV_AXES, kv_shape, mesh))
-    kv = KVPool(k=jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16, sharding=kv_sh),
-                v=jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16, sharding=kv_sh))
-    if case.phase == "decode":  # 16 running requests, 4,096-token views
-        block_q, n_tok, n_seg, view = DECODE_BLOCK_Q, 16, 16, 4096
-    else:  # one prefill chunk (the server's default --prefill-chunk) on an empty cache
-        block_q, n_tok, n_seg, view = PREFILL_BLOCK_Q, 4096, 1, 4096
+    if case.phase == "decode":
+        block_q, n_tok, n_seg = DECODE_BLOCK_Q, requests, requests
+    else:
+        block_q, n_tok, n_seg, view = PREFILL_BLOCK_Q, PREFILL_TOKENS, 1, PREFILL_TOKENS
     q_len = n_tok // n_seg
     specs = [
         SegmentSpec(q_start=i * q_len, q_len=q_len,
@@ -448,14 +470,37 @@ def step_args(cfg: ModelConfig, case: StepCase, devices: tuple) -> tuple:
     batch = build_segment_batch(
         specs, page_size=ps, block_q=block_q,
         num_blocks=T if block_q == 1 else T // block_q + ns, num_segments=ns,
-        max_pages=view_bucket(view // ps, ps),
+        max_pages=view_bucket(view // ps, ps), on_device=False,
     )
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
-    writes = KVWrites(slots=i32(1, T), positions=i32(1, T))
+    q_pos = np.zeros(T, np.int32)
+    slots = np.full(T, case.pool_tokens, np.int32)
+    rows = np.zeros(ns, np.int32)
+    for i in range(n_seg):
+        at = np.arange(i * q_len, (i + 1) * q_len)
+        q_pos[at] = view - q_len + np.arange(q_len)
+        slots[at] = i * view + q_pos[at]
+        rows[i] = at[-1]
+    writes = KVWrites(slots=slots[None], positions=q_pos[None].copy())
+    return StepInputs(np.zeros(T, np.int32), q_pos, writes, batch, block_q, rows)
+
+
+def step_args(cfg: ModelConfig, case: StepCase, devices: tuple) -> tuple:
+    """Arguments of ``_forward_step`` as the executor builds them (its buckets), abstract."""
+    mesh = make_mesh(case.tp, list(devices[: case.tp]))
+    rep = NamedSharding(mesh, PartitionSpec())
+    ps = PAGE_SIZE
+    P = case.pool_tokens // ps
+    kv_shape = (cfg.num_layers, P, ps, cfg.num_kv_heads, cfg.head_dim)
+    kv_sh = NamedSharding(mesh, logical_to_spec(KV_AXES, kv_shape, mesh))
+    kv = KVPool(k=jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16, sharding=kv_sh),
+                v=jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16, sharding=kv_sh))
+    inp = step_inputs(case)
+    i32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=rep)
+    writes = KVWrites(slots=i32(inp.writes.slots), positions=i32(inp.writes.positions))
     rope = jax.tree.map(lambda x: _sds(x, rep), rope_table_for(cfg))
     return mesh, (
-        abstract_params(cfg, mesh), cfg, i32(T), i32(T), kv, writes,
-        jax.tree.map(lambda x: _sds(x, rep), batch), rope, block_q, i32(bucket(n_seg, 8)),
+        abstract_params(cfg, mesh), cfg, i32(inp.tokens), i32(inp.q_pos), kv, writes,
+        jax.tree.map(lambda x: _sds(x, rep), inp.batch), rope, inp.block_q, i32(inp.rows),
     )
 
 
@@ -479,7 +524,10 @@ def step_traffic(cfg: ModelConfig, case: StepCase) -> tuple[float, float]:
     else:
         mlp_flops_w = mlp_w = 3 * D * cfg.intermediate_size
     decode = case.phase == "decode"
-    T, view, rows = (16, 4096, 16) if decode else (4096, 4096, 1)
+    if decode:
+        T, view, rows = DECODE_REQUESTS, DECODE_VIEW, DECODE_REQUESTS
+    else:
+        T, view, rows = PREFILL_TOKENS, PREFILL_TOKENS, 1
     if cfg.is_moe:
         touched = E * (1 - (1 - k / E) ** T)
         mlp_w = touched * expert + D * E
@@ -523,8 +571,7 @@ def compile_step(target_name: str, case: StepCase) -> Result:
     )
     # The roofline from the shape count (cost_analysis() holds one layer of the scan), split
     # evenly over the tensor-parallel devices.
-    res.estimate_s = max(flops / case.tp / t.peak_bf16_flops,
-                         nbytes / case.tp / t.hbm_bytes_per_s)
+    res.estimate_s = roofline_s(flops, nbytes, t, case.tp)
     return res
 
 
