@@ -84,12 +84,14 @@ struct Problem {
   const float* k;        // this layer's pool [P, ps, Hkv, Dh]
   const float* v;
   const int32_t* pages;  // [S, MPp] compacted visible pages per segment
-  const int32_t* slot_pos;  // [S, MPp * ps] view index per compacted slot, -1 masked
+  const int32_t* order;   // [S, MPp] view page of each compacted page
+  const bool* kv_vis;     // [S, N] the view's slots a segment may attend
+  const int32_t* kv_len;  // [S] slots in the segment's view
   const int32_t* blk;    // [NB, BLK_FIELDS]
   const int32_t* win;    // [NB, block_q] window start per row, or null
   const float* sinks;    // [Hq] or null
   float* out;            // [T, Hq, Dh]
-  int64_t T, Hq, Hkv, G, Dh, ps, MPp, block_q;
+  int64_t T, Hq, Hkv, G, Dh, ps, MPp, N, block_q;
   float sm_scale;
 };
 
@@ -177,7 +179,12 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
   const float* kp[TK];  // each key's and value's row in the pool; zeros where masked
   const float* vp[TK];  // (a masked slot may hold NaN, and 0 * NaN is NaN)
   const int32_t* seg_pages = pb.pages + int64_t(seg) * pb.MPp;
-  const int32_t* seg_pos = pb.slot_pos + int64_t(seg) * pb.MPp * ps;
+  // A compacted slot's view index: its page's view page, its offset; masked (-1) when the
+  // view hides it. Found here, per key read, rather than planned for every slot of every
+  // padded segment before the call.
+  const int32_t* seg_order = pb.order + int64_t(seg) * pb.MPp;
+  const bool* seg_vis = pb.kv_vis + int64_t(seg) * pb.N;
+  const int64_t seg_len = pb.kv_len[seg];
   const int64_t stride = pb.Hkv * Dh;  // between consecutive slots of a page
   const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
   int32_t max_pos = kv_pos + q_len - 1;
@@ -306,7 +313,11 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
       // a key (a 64-bit division is tens of cycles; a one-row step has little else to do).
       int64_t pg = k0 / ps, off = k0 % ps;
       for (int64_t j = 0; j < TK; ++j) {
-        int32_t s = j < nk ? seg_pos[k0 + j] : -1;
+        int32_t s = -1;
+        if (j < nk) {
+          const int64_t vs = int64_t(seg_order[pg]) * ps + off;
+          if (vs < seg_len && seg_vis[vs]) s = int32_t(vs);
+        }
         if (s > max_pos) s = -1;
         sp[j] = s;
         if (s < 0) {
@@ -375,7 +386,8 @@ ItemFn pick(int64_t nv) {
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                 ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> layer,
-                ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> slot_pos,
+                ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> order,
+                ffi::Buffer<ffi::PRED> kv_visible, ffi::Buffer<ffi::S32> kv_len,
                 ffi::Buffer<ffi::S32> blk, ffi::Buffer<ffi::S32> win,
                 ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
                 int64_t has_window, int64_t has_sinks) {
@@ -403,7 +415,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   pb.k = k_pages.typed_data() + li * layer_size;
   pb.v = v_pages.typed_data() + li * layer_size;
   pb.pages = pages.typed_data();
-  pb.slot_pos = slot_pos.typed_data();
+  pb.order = order.typed_data();
+  pb.kv_vis = kv_visible.typed_data();
+  pb.kv_len = kv_len.typed_data();
+  pb.N = kv_visible.dimensions()[1];
+  if (order.dimensions()[1] != pb.MPp || pb.N < pb.MPp * pb.ps)
+    return ffi::Error::InvalidArgument("akv_cpu_attention: order [S,MP], kv_visible [S,MP*ps]");
   pb.blk = blk.typed_data();
   pb.win = has_window ? win.typed_data() : nullptr;
   pb.sinks = has_sinks ? sinks.typed_data() : nullptr;
@@ -486,7 +503,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // pages
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // kv_visible
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // blk
                                   .Arg<ffi::Buffer<ffi::S32>>()  // win
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks

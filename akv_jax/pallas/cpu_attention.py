@@ -63,8 +63,7 @@ def segment_attention_cpu(
         k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.zeros((), jnp.int32)
     ps = k_pages.shape[2]
     blocks = blocks_of(batch)
-    plan = plan_pages(batch, blocks, page_size=ps, sliding_window=sliding_window)
-    S = plan.pages.shape[0]
+    plan = plan_pages(batch, blocks, page_size=ps, sliding_window=sliding_window, slots=False)
     blk = jnp.stack(
         [blocks.seg, blocks.q_start, blocks.q_len, blocks.kv_pos, plan.lo, plan.hi], axis=1
     ).astype(jnp.int32)
@@ -77,7 +76,7 @@ def segment_attention_cpu(
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q, k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1), plan.pages,
-        plan.slot_pos.reshape(S, -1), blk, win, sink_arg,
+        plan.order, batch.kv_visible, batch.kv_len, blk, win, sink_arg,
         sm_scale=np.float32(sm_scale),
         has_window=np.int64(sliding_window is not None),
         has_sinks=np.int64(sinks is not None),

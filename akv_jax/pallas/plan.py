@@ -51,7 +51,8 @@ class Blocks:
 @dataclasses.dataclass(frozen=True)
 class PagePlan:
     pages: jax.Array  # [S, MPp] int32 physical ids of visible pages, padded with a visible one
-    slot_pos: jax.Array  # [S, MPp, page_size] int32 view index of each slot, -1 = masked
+    order: jax.Array  # [S, MP] int32 view page of each compacted page (visible ones first)
+    slot_pos: jax.Array | None  # [S, MPp, page_size] int32 view index of each slot, -1 = masked
     lo: jax.Array  # [NB] int32 first compacted page a block reads
     hi: jax.Array  # [NB] int32 one past the last
 
@@ -137,15 +138,18 @@ def plan_pages(
     page_size: int,
     sliding_window: int | None = None,
     pad_pages_to: int = 1,
+    slots: bool = True,
 ) -> PagePlan:
     """Compact each segment's visible pages and give each block its range of them.
 
     ``pad_pages_to``: the compacted page axis is padded to a multiple of it (a kernel reading
     ``n`` pages per step may then read past ``hi`` without going out of bounds).
+    ``slots=False`` leaves ``slot_pos`` out (None), for a kernel that finds a compacted
+    slot's view index from ``order`` and the batch's ``kv_visible`` itself: the plan is then
+    work per page, not per slot of every padded segment.
     """
     S, MP = batch.page_table.shape
     ps = page_size
-    slot_ok = visible_slots(batch)  # [S, MP*ps]
     page_start = jnp.arange(MP, dtype=jnp.int32) * ps
     # The contract: page_visible marks pages holding a visible slot; the rest are skipped.
     page_ok = batch.page_visible & (page_start[None, :] < batch.kv_len[:, None])  # [S, MP]
@@ -154,8 +158,9 @@ def plan_pages(
     # argsort(~page_ok, stable=True) gives it, by prefix counts and one scatter (a sort over
     # a long view's pages cost more than the attention it plans, on the CPU).
     count = page_ok.sum(axis=1).astype(jnp.int32)  # [S]
-    ok_rank = jnp.cumsum(page_ok, axis=1, dtype=jnp.int32) - 1
-    other_rank = count[:, None] + jnp.cumsum(~page_ok, axis=1, dtype=jnp.int32) - 1
+    ok_cum = jnp.cumsum(page_ok, axis=1, dtype=jnp.int32)  # one scan: XLA:CPU's are slow
+    ok_rank = ok_cum - 1
+    other_rank = count[:, None] + jnp.arange(MP, dtype=jnp.int32)[None, :] - ok_cum
     dest = jnp.where(page_ok, ok_rank, other_rank)  # [S, MP] a permutation of each row
     rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], (S, MP))
     order = jnp.zeros((S, MP), jnp.int32).at[rows, dest].set(
@@ -167,16 +172,20 @@ def plan_pages(
     # Pad with the last visible page (already in cache) so padded reads cost nothing extra.
     last = jnp.take_along_axis(phys, jnp.maximum(count - 1, 0)[:, None], axis=1)
     phys = jnp.where(in_list, phys, last)
-    vis = jnp.take_along_axis(slot_ok.reshape(S, MP, ps), order[:, :, None], axis=1)
-    pos = order[:, :, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, None, :]
-    slot_pos = jnp.where(vis & in_list[:, :, None], pos, -1)
+    slot_pos = None
+    if slots:
+        slot_ok = visible_slots(batch)  # [S, MP*ps]
+        vis = jnp.take_along_axis(slot_ok.reshape(S, MP, ps), order[:, :, None], axis=1)
+        pos = order[:, :, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, None, :]
+        slot_pos = jnp.where(vis & in_list[:, :, None], pos, -1)
 
     mpp = -(-MP // pad_pages_to) * pad_pages_to
     if mpp != MP:
         phys = jnp.concatenate([phys, jnp.broadcast_to(phys[:, -1:], (S, mpp - MP))], axis=1)
-        slot_pos = jnp.concatenate(
-            [slot_pos, jnp.full((S, mpp - MP, ps), -1, jnp.int32)], axis=1
-        )
+        if slot_pos is not None:
+            slot_pos = jnp.concatenate(
+                [slot_pos, jnp.full((S, mpp - MP, ps), -1, jnp.int32)], axis=1
+            )
 
     real = blocks.seg >= 0
     seg = jnp.maximum(blocks.seg, 0)
@@ -194,7 +203,7 @@ def plan_pages(
         lo = jnp.zeros_like(hi)
     lo = jnp.where(real, lo, 0).astype(jnp.int32)
     hi = jnp.where(real, jnp.maximum(hi, lo), 0).astype(jnp.int32)
-    return PagePlan(pages=phys.astype(jnp.int32), slot_pos=slot_pos, lo=lo, hi=hi)
+    return PagePlan(pages=phys.astype(jnp.int32), order=order, slot_pos=slot_pos, lo=lo, hi=hi)
 
 
 def gather_q_tiles(
