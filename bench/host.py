@@ -1,7 +1,7 @@
 """Host cost against history length (issue 35): does a turn cost what is new, and a decode step
 what is still attended?
 
-    python bench/host.py [--histories 2048 8192 32768 131072] [--repeats 5] [--out PATH]
+    python bench/host.py [--histories 2048 8192 32768 131072] [--repeats 15] [--out PATH]
 
 A ``tiny`` server (``--context-length`` and pool sized for the longest history, page size 16)
 answers over HTTP ``/generate`` with token ids (no tokenizer in the way):
@@ -10,10 +10,13 @@ answers over HTTP ``/generate`` with token ids (no tokenizer in the way):
   (unmeasured: it fills the cache), then ``--repeats`` requests each append one fresh
   one-token segment and generate one token; the figure is the median client-side latency.
   The same again with a drop of the first 75% of the history's segments at its last
-  boundary (the op is part of every request, as an agent resends it).
+  boundary (the op is part of every request, as an agent resends it). Every history stays
+  cached and they take turns, a request each a round in a shuffled order, so that each ratio
+  compares figures taken under the same conditions (this shared host's speed drifts by 20%
+  over minutes, and a request after a long one finds colder caches).
 * **decode**: 64 greedy tokens streamed after a cached prompt, per-token time = (last token -
-  first token) / 63, median over repeats: a 32K history with 75% dropped (8K active) against
-  an 8K history with nothing dropped (the same active tokens).
+  first token) / 63, median over repeats, the two taking turns: a 32K history with 75%
+  dropped (8K active) against an 8K history with nothing dropped (the same active tokens).
 * **host stages**, in process on the same request bodies, with an :class:`Engine` of the
   same configuration whose cache holds the history: ``parse`` (the JSON body as the
   server reads it: segments sent before from ``SegmentMemo``, the rest by
@@ -86,27 +89,44 @@ def timed(client: httpx.Client, raw: bytes) -> float:
     return time.perf_counter() - t0
 
 
-def cached_request(client: httpx.Client, segs: list[list[int]], cache: dict,
-                   repeats: int, rng: np.random.Generator) -> float:
-    timed(client, encoded(body(segs, cache, 1)))  # fills the cache
-    raws = [encoded(body([*segs, [int(rng.integers(0, VOCAB))]], cache, 1))
-            for _ in range(repeats)]
-    return statistics.median([timed(client, raw) for raw in raws])
+def cached_requests(client: httpx.Client, cases: list[tuple[list[list[int]], dict]],
+                    repeats: int, rng: np.random.Generator) -> list[float]:
+    """Median latency of each case's cached one-token request: each history is sent once
+    (filling the cache), then the cases take turns, one request each a round, so that every
+    case meets the same machine (a shared host's speed drifts over minutes)."""
+    for segs, cache in cases:
+        timed(client, encoded(body(segs, cache, 1)))
+    raws = [[encoded(body([*segs, [int(rng.integers(0, VOCAB))]], cache, 1))
+             for _ in range(repeats)] for segs, cache in cases]
+    times: list[list[float]] = [[] for _ in cases]
+    for i in range(repeats):
+        # In a new order each round: a request after a long one finds colder caches.
+        for c in rng.permutation(len(cases)).tolist():
+            times[c].append(timed(client, raws[c][i]))
+    return [statistics.median(t) for t in times]
 
 
-def decode_per_token(client: httpx.Client, segs: list[list[int]], cache: dict,
-                     repeats: int) -> float:
-    timed(client, encoded(body(segs, cache, 1)))
-    out = []
+def decode_stream(client: httpx.Client, segs: list[list[int]], cache: dict) -> float:
+    """Per-token time of one stream of DECODE_NEW greedy tokens after a cached prompt."""
+    stamps = []
+    with client.stream("POST", "/generate", json=body(segs, cache, DECODE_NEW, True)) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                stamps.append(time.perf_counter())
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def decode_per_token(client: httpx.Client, cases: list[tuple[list[list[int]], dict]],
+                     repeats: int) -> list[float]:
+    """Median per-token decode time of each case, the cases taking turns."""
+    for segs, cache in cases:
+        timed(client, encoded(body(segs, cache, 1)))
+    times: list[list[float]] = [[] for _ in cases]
     for _ in range(repeats):
-        stamps = []
-        with client.stream("POST", "/generate", json=body(segs, cache, DECODE_NEW, True)) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    stamps.append(time.perf_counter())
-        out.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
-    return statistics.median(out)
+        for c, (segs, cache) in enumerate(cases):
+            times[c].append(decode_stream(client, segs, cache))
+    return [statistics.median(t) for t in times]
 
 
 class StageTimer:
@@ -185,7 +205,7 @@ def host_stages(eng: Engine, timer: StageTimer, segs: list[list[int]], cache: di
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--histories", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default="bench/results/host.json")
     args = ap.parse_args(argv)
     longest = max(args.histories)
@@ -194,20 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     server = ["--model-path", "tiny", "--context-length", str(ctx),
               "--max-total-tokens", str(2 * ctx), "--page-size", "16"]
     t_start = time.perf_counter()
-    rows = []
     with LocalServer(server) as srv, httpx.Client(base_url=srv.url, timeout=600) as client:
+        cases, rows = [], []
         for h in args.histories:
             segs = history(rng, h)
-            row = {"history": h, "segments": len(segs)}
-            row["cached_s"] = cached_request(client, segs, {}, args.repeats, rng)
-            drop = dropped(segs, 0.75)
-            row["cached_dropped_s"] = cached_request(client, segs, drop, args.repeats, rng)
-            rows.append(row)
-            client.post("/flush_cache")
+            rows.append({"history": h, "segments": len(segs)})
+            cases += [(segs, {}), (segs, dropped(segs, 0.75))]
+        medians = cached_requests(client, cases, args.repeats, rng)
+        for i, row in enumerate(rows):
+            row["cached_s"], row["cached_dropped_s"] = medians[2 * i], medians[2 * i + 1]
+        client.post("/flush_cache")
         full = history(rng, 8192)
         long = history(rng, 32768)
-        undropped = decode_per_token(client, full, {}, args.repeats)
-        with_drop = decode_per_token(client, long, dropped(long, 0.75), args.repeats)
+        undropped, with_drop = decode_per_token(
+            client, [(full, {}), (long, dropped(long, 0.75))], args.repeats)
         client.post("/flush_cache")
     # The stages, once the server is gone (it would compete for the two cores).
     eng, timer = in_process_engine(ctx)
