@@ -64,7 +64,7 @@ from akv_jax.aot.targets import TARGETS, Target  # noqa: E402  (data only: no ja
 PARTS = ("kernels", "engine", "bandwidth", "peer", "step")
 DEFAULT_OUT = ROOT / ".device_check"
 PAGE_SIZE = 16  # the server's default --page-size
-TOL = {"f32": 1e-5, "bf16": 2e-2}  # tests/test_pallas_attention.py's
+TOL = {"f32": 1e-5, "bf16": 2e-2}  # tests/pallas_cases.py's
 # A part starts no new check past this share of its budget (its timeout kills it at 100%).
 BUDGET_SHARE = 0.9
 # bandwidth: (requests, context) per layout on a GPU, ~0.3-0.5 GB of KV read per call.

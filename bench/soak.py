@@ -10,7 +10,7 @@ fresh temporary folder (``--compile-cache-dir``). Everything is loopback and eve
 bounded in count and in time.
 
 1. Reference answers. A fixed-seed set of histories like ``random_requests`` in
-   tests/test_engine_exact.py (3-7 segments of random token ids, drops of middle segments and
+   tests/engine_cases.py (3-7 segments of random token ids, drops of middle segments and
    at the last boundary, repositions, multi-turn extensions of earlier histories, half of which
    carry the parent's answer as the next assistant segment). Each is sent alone, right after a
    ``POST /flush_cache``: greedy, ``ignore_eos``, ``return_logprob``. By DESIGN §2 that answer
@@ -124,7 +124,7 @@ class History:
 
 def next_history(rng: np.random.Generator, pool: list[History]) -> History:
     """A fresh history or an extension of one in ``pool`` (as ``random_requests`` in
-    tests/test_engine_exact.py, plus the parent's answer as an assistant segment)."""
+    tests/engine_cases.py, plus the parent's answer as an assistant segment)."""
     parent = None
     segs: list[list[int]] = []
     cache: dict[str, Any] = {"drop": {}, "reposition": []}

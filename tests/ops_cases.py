@@ -9,12 +9,45 @@ from collections.abc import Callable
 
 import numpy as np
 from exactness import dense_answers, mismatches, random_histories, run_requests
-from test_cache_core import classify, random_history
 
 from akv_jax.cache.core import restore
+from akv_jax.cache.ops import parse_history
 from akv_jax.serving.engine import Engine
 
 CAPACITY = 192  # slots of the CacheOps state: the longest random history fits
+
+
+def random_history(rng, n_max=9, len_max=24):
+    """``(segments, history)``: 2..``n_max`` random segments with random drops and repos."""
+    n = int(rng.integers(2, n_max + 1))
+    lens = rng.integers(1, len_max + 1, size=n)
+    segs = [rng.integers(0, 512, size=int(m)).tolist() for m in lens]
+    drops, dropped = {}, set()
+    for s in range(n):
+        cand = [i for i in range(s + 1) if i not in dropped and rng.random() < 0.25]
+        if cand:
+            drops[str(s)] = cand
+            dropped.update(cand)
+    repos = [s for s in range(n) if rng.random() < 0.3]
+    return segs, parse_history({"drop": drops, "reposition": repos}, n)
+
+
+def classify(h):
+    """The kinds of op pattern a history contains (what the random tests must cover)."""
+    kinds = set()
+    last = h.num_segments - 1
+    for b, segs in h.drops.items():
+        if 0 in segs:
+            kinds.add("drop_first")
+        if b == last:
+            kinds.add("drop_last_boundary")
+        if any(0 < i < b for i in segs) and any(r >= b for r in h.repos):
+            kinds.add("middle_drop_then_repos")
+    if h.drops and not h.repos:
+        kinds.add("drop_without_repos")
+    if len(h.repos) >= 2:
+        kinds.add("several_repos")
+    return kinds
 
 
 def compare_states(state, dense, dm, T: int) -> None:
@@ -36,7 +69,7 @@ def random_cache_histories(
 ) -> set[str]:
     """``n`` random histories through CacheOps (incrementally) and one-pass restore, each
     compared with the dense reference (logits 1e-4, states 1e-5). Returns the kinds of
-    history seen (:func:`test_cache_core.classify`, plus ``kinds(segs, history)``)."""
+    history seen (:func:`classify`, plus ``kinds(segs, history)``)."""
     m, dm, ops = tiny
     rng = np.random.default_rng(seed)
     seen: set[str] = set()

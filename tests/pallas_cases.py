@@ -13,6 +13,9 @@ Metadata is built on the host (numpy), data on the device (``jax.random``). Phys
 are shuffled, with spare pages between them; :func:`materialize` fills every slot that no
 segment may attend (spare pages, the tail of partial pages, dropped-everywhere slots) with
 NaN, so a kernel that reads what it must not read produces NaN.
+
+The attention tests' shared checks live here too: :func:`case_of_kind` (their standard case
+of each kind), :func:`dense_oracle` (float64 numpy) and :func:`assert_close`.
 """
 
 from __future__ import annotations
@@ -284,3 +287,71 @@ def mixed_case(
                                  causal_pos=len(before)))
         row += q_len
     return Case(specs, bucket(row, block_q), alloc.total, ps, block_q)
+
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # assert_close's atol and rtol, by dtype
+
+
+def case_of_kind(kind: str, *, page_size: int, seed: int = 0, block_q: int | None = None) -> Case:
+    """The standard case of each kind the attention tests run: ``decode`` (one request sees
+    nothing), ``prefill``, ``restore``, or ``long`` (512 query rows)."""
+    rng = np.random.default_rng(seed)
+    if kind == "decode":
+        lens = [1, 37, page_size * 3, 150, 96, 200, 50]  # a lone token, partial and full pages
+        case = decode_case(rng, lens, page_size=page_size, drop_fraction=0.5, span=24)
+        # The last request sees nothing at all (its row must come out as zeros, not NaN).
+        blind = case.specs[-1]
+        case.specs[-1] = dataclasses.replace(blind, kv_visible=np.zeros_like(blind.kv_visible))
+        return case
+    if kind == "prefill":
+        return prefill_case(
+            rng, 160, 90, page_size=page_size, block_q=block_q or 32, drop_fraction=0.4
+        )
+    if kind == "restore":
+        return restore_case(rng, (20, 70, 25, 40, 30), page_size=page_size,
+                            block_q=block_q or 16)
+    if kind == "long":  # the largest: 512 query rows
+        return prefill_case(
+            rng, 0, 512, page_size=page_size, block_q=block_q or 64, drop_fraction=0.0
+        )
+    raise ValueError(kind)
+
+
+def dense_oracle(q, k_pages, v_pages, specs, page_size, sm_scale, sinks=None, window=None):
+    """Per-token softmax over exactly the keys each query row may see, in float64 numpy.
+
+    A sliding window keeps the ``window`` most recent *visible* keys at or before the row
+    (DESIGN §2.1: the W most recent entries of its view, itself included)."""
+    q = np.asarray(q, np.float64)
+    k_pages, v_pages = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    T, Hq, Dh = q.shape
+    Hkv = k_pages.shape[2]
+    G = Hq // Hkv
+    out = np.zeros_like(q)
+    for spec in specs:
+        n = len(spec.kv_visible)
+        keys = k_pages[np.asarray(spec.pages)].reshape(-1, Hkv, Dh)[:n]
+        vals = v_pages[np.asarray(spec.pages)].reshape(-1, Hkv, Dh)[:n]
+        for i in range(spec.q_len):
+            c = spec.causal_pos + i
+            idx = np.flatnonzero(spec.kv_visible[: c + 1])  # its view, in append order
+            if window is not None:
+                idx = idx[max(len(idx) - window, 0) :]
+            for h in range(Hq):
+                logits = keys[idx, h // G] @ q[spec.q_start + i, h] * sm_scale
+                extra = [] if sinks is None else [float(sinks[h])]
+                if len(idx) == 0 and not extra:
+                    continue
+                m = max(list(logits) + extra)
+                e = np.exp(logits - m)
+                denom = e.sum() + sum(np.exp(x - m) for x in extra)
+                out[spec.q_start + i, h] = e @ vals[idx, h // G] / denom
+    return out
+
+
+def assert_close(out, want, dtype) -> None:
+    """``out`` has no NaN (no masked slot was read) and is within ``TOL[dtype]`` of ``want``."""
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert not np.isnan(out).any(), "NaN in output: a masked slot was read"
+    np.testing.assert_allclose(out, want, atol=TOL[dtype], rtol=TOL[dtype])

@@ -3,7 +3,7 @@
 import dataclasses
 
 import pytest
-from test_radix import insert
+from radix_support import insert
 
 from akv_jax.agent.cost import (
     RATES,

@@ -93,7 +93,7 @@ def test_auto_backend_compiles_the_mosaic_kernel_into_the_tpu_step():
 
 
 def test_rerotated_copies_compile_tensor_parallel_on_tpu():
-    """The server's re-rotated copies (``_rerotate_copy``: the repos kernel over gathered
+    """The server's re-rotated copies (``rerotate_copy_pool``: the repos kernel over gathered
     keys) at TP4 on a v5e: XLA:TPU cannot partition the Mosaic call, so it runs per head shard
     under the group's mesh (without the mesh it refuses: "cannot be automatically
     partitioned")."""
@@ -105,7 +105,7 @@ def test_rerotated_copies_compile_tensor_parallel_on_tpu():
     from akv_jax.model.params import logical_to_spec, make_mesh
     from akv_jax.model.rope import rope_table_for
     from akv_jax.pallas.dispatch import make_repos_fn
-    from akv_jax.serving.device_group import KV_AXES, _rerotate_copy
+    from akv_jax.serving.device_group import KV_AXES, rerotate_copy_pool
 
     cfg = build.preset_config("Qwen3-8B")
     devs = build.topology_devices("TPU v5e")
@@ -118,5 +118,5 @@ def test_rerotated_copies_compile_tensor_parallel_on_tpu():
     rope = jax.tree.map(lambda x: build._sds(x, rep), rope_table_for(cfg, 8192))
     repos = make_repos_fn("auto", platform="tpu")
     with jax.default_device(devs[0]):
-        _rerotate_copy.lower(KVPool(pool, pool), idx, idx, idx, idx, rope, repos,
+        rerotate_copy_pool.lower(KVPool(pool, pool), idx, idx, idx, idx, rope, repos,
                              mesh=mesh).compile()

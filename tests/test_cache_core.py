@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ops_cases import classify, random_history
 
 from akv_jax.cache.core import CacheOps, restore, run_history
 from akv_jax.cache.dense_reference import DenseModel
@@ -29,37 +30,6 @@ def model():
     cfg = tiny_config("qwen3")
     params = init_params(cfg, jax.random.key(7))
     return cfg, params, DenseModel(params, cfg), CacheOps(cfg, block_q=16, page_size=16)
-
-
-def random_history(rng, n_max=9, len_max=24):
-    n = int(rng.integers(2, n_max + 1))
-    lens = rng.integers(1, len_max + 1, size=n)
-    segs = [rng.integers(0, 512, size=int(m)).tolist() for m in lens]
-    drops, dropped = {}, set()
-    for s in range(n):
-        cand = [i for i in range(s + 1) if i not in dropped and rng.random() < 0.25]
-        if cand:
-            drops[str(s)] = cand
-            dropped.update(cand)
-    repos = [s for s in range(n) if rng.random() < 0.3]
-    return segs, parse_history({"drop": drops, "reposition": repos}, n)
-
-
-def classify(h):
-    kinds = set()
-    last = h.num_segments - 1
-    for b, segs in h.drops.items():
-        if 0 in segs:
-            kinds.add("drop_first")
-        if b == last:
-            kinds.add("drop_last_boundary")
-        if any(0 < i < b for i in segs) and any(r >= b for r in h.repos):
-            kinds.add("middle_drop_then_repos")
-    if h.drops and not h.repos:
-        kinds.add("drop_without_repos")
-    if len(h.repos) >= 2:
-        kinds.add("several_repos")
-    return kinds
 
 
 def compare_states(state, dense, dm, T):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pallas_cases as cases
 import pytest
-from test_pallas_attention import _assert_close, dense_oracle, make
+from pallas_cases import assert_close, case_of_kind, dense_oracle
 
 from akv_jax.pallas import cpu_attention, cpu_ffi
 from akv_jax.pallas.chunked import segment_attention_chunked
@@ -35,7 +35,7 @@ def test_kernel_builds_here():
 @pytest.mark.parametrize("kind", ["decode", "prefill", "restore", "long"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_kernel_matches_reference(kind, page_size):
-    case = make(kind, page_size=page_size)
+    case = case_of_kind(kind, page_size=page_size)
     for head_dim, group in ((16, 4), (64, 1), (80, 3)):
         q, k, v, batch = cases.materialize(
             case, np.random.default_rng(2), num_kv_heads=2, group=group, head_dim=head_dim
@@ -44,12 +44,12 @@ def test_kernel_matches_reference(kind, page_size):
         want = segment_attention_reference(q, k, v, batch, block_q=case.block_q, sm_scale=scale)
         fn = functools.partial(segment_attention_cpu, block_q=case.block_q, sm_scale=scale)
         got = jax.jit(fn)(q, k, v, batch)
-        _assert_close(got, want, jnp.float32)
+        assert_close(got, want, jnp.float32)
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 33])
 def test_kernel_sinks_and_window_match_oracle(window):
-    case = make("restore", page_size=16)
+    case = case_of_kind("restore", page_size=16)
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(1), num_kv_heads=2, group=3, head_dim=16
     )
@@ -57,7 +57,7 @@ def test_kernel_sinks_and_window_match_oracle(window):
     got = segment_attention_cpu(q, k, v, batch, block_q=case.block_q, sm_scale=0.25,
                                 sinks=sinks, sliding_window=window)
     want = dense_oracle(q, k, v, case.specs, 16, 0.25, sinks=sinks, window=window)
-    _assert_close(got, want, jnp.float32)
+    assert_close(got, want, jnp.float32)
 
 
 def test_kernel_unmasked_tiles_inside_a_window_match_oracle():
@@ -65,7 +65,7 @@ def test_kernel_unmasked_tiles_inside_a_window_match_oracle():
     inside every row's window (and before the block's first row) take the kernel's unmasked
     path; the tiles at the window's far edge and on the diagonal stay masked. 512 rows in
     blocks of 64, SmolLM2's head dim and group (register tiles of 6 rows on AVX2)."""
-    case = make("long", page_size=16)
+    case = case_of_kind("long", page_size=16)
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(4), num_kv_heads=2, group=3, head_dim=64
     )
@@ -74,7 +74,7 @@ def test_kernel_unmasked_tiles_inside_a_window_match_oracle():
         got = segment_attention_cpu(q, k, v, batch, block_q=case.block_q, sm_scale=0.125,
                                     sinks=sinks, sliding_window=window)
         want = dense_oracle(q, k, v, case.specs, 16, 0.125, sinks=sinks, window=window)
-        _assert_close(got, want, jnp.float32)
+        assert_close(got, want, jnp.float32)
 
 
 def test_kernel_tiles_nan_pool_and_padding_segments():
@@ -108,7 +108,7 @@ def test_kernel_tiles_nan_pool_and_padding_segments():
                                            sliding_window=w)
         got = segment_attention_cpu(q, k_all, v_all, batch, block_q=block_q, sm_scale=0.3,
                                     sinks=s, sliding_window=w, layer=jnp.int32(1))
-        _assert_close(got[:43], want[:43], jnp.float32)
+        assert_close(got[:43], want[:43], jnp.float32)
         assert not np.asarray(got[43:]).any(), "rows no block covers come out as zeros"
 
 
@@ -142,7 +142,7 @@ def test_kernel_chunks_fold_to_the_same_bits_however_shared_out():
                                         block_q=block_q, sm_scale=0.25, sinks=s,
                                         sliding_window=w)
             want = dense_oracle(q, k, v, specs, ps, 0.25, sinks=s, window=w)
-            _assert_close(got[: sum(sp.q_len for sp in specs)],
+            assert_close(got[: sum(sp.q_len for sp in specs)],
                           want[: sum(sp.q_len for sp in specs)], jnp.float32)
             outs.append(np.asarray(got[:1]))
         assert outs[0].tobytes() == outs[1].tobytes(), f"window {w}: bits depend on the split"
@@ -156,14 +156,14 @@ def _ffi_targets(fn, *args) -> str:
 def test_dispatch_auto_uses_kernel_and_falls_back(monkeypatch):
     """"auto" on the CPU runs the kernel for float32; bfloat16, or the kernel switched off,
     runs the chunked jnp path, with the same answer."""
-    case = make("prefill", page_size=16)
+    case = case_of_kind("prefill", page_size=16)
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(3), num_kv_heads=2, group=3, head_dim=16
     )
     fn = make_attention_fn("auto", block_q=case.block_q, sm_scale=0.25, platform="cpu")
     assert cpu_attention.TARGET in _ffi_targets(fn, q, k, v, batch)
     want = segment_attention_reference(q, k, v, batch, block_q=case.block_q, sm_scale=0.25)
-    _assert_close(fn(q, k, v, batch), want, jnp.float32)
+    assert_close(fn(q, k, v, batch), want, jnp.float32)
 
     qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
     assert cpu_attention.TARGET not in _ffi_targets(fn, qb, kb, vb, batch)

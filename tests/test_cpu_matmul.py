@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from akv_jax.model import config as cfgs
-from akv_jax.model.causal import BLOCK_Q, PAGE_SIZE, _one_segment
+from akv_jax.model.causal import BLOCK_Q, PAGE_SIZE, one_segment_batch
 from akv_jax.model.forward import (
     KVPool,
     KVWrites,
@@ -396,7 +396,7 @@ def test_forward_from_packed_layers_is_the_forward(arch):
     pos = np.arange(t, dtype=np.int32)
     slots = np.where(pos < n, pos, pages * PAGE_SIZE).astype(np.int32)
     writes = KVWrites(slots=jnp.asarray(slots[None]), positions=jnp.asarray(pos[None]))
-    batch = _one_segment(0, n, BLOCK_Q, pages)
+    batch = one_segment_batch(0, n, BLOCK_Q, pages)
     attention = make_model_attention(cfg, "auto", BLOCK_Q)
 
     @jax.jit

@@ -10,18 +10,17 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from engine_cases import N_NEW, check, random_requests, run
 from exactness import dense_greedy as dense_generate
 from exactness import pool_that_forces_eviction, run_requests
 
 from akv_jax.cache.dense_reference import DenseModel
-from akv_jax.cache.ops import add_random_ops, parse_history
+from akv_jax.cache.ops import parse_history
 from akv_jax.errors import InvalidField
 from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
 from akv_jax.serving.engine import Engine
 from akv_jax.serving.types import GenerateRequest, SamplingParams
-
-N_NEW = 4
 
 
 @pytest.fixture(scope="module")
@@ -29,38 +28,6 @@ def model():
     cfg = tiny_config("qwen3")
     params = init_params(cfg, jax.random.key(3))
     return SimpleNamespace(cfg=cfg, params=params, tokenizer=None), DenseModel(params, cfg)
-
-
-def random_requests(rng, count, vocab=500):
-    """Fresh histories, plus multi-turn extensions (same prefix and ops, more segments)."""
-    reqs = []
-    for _ in range(count):
-        if reqs and rng.random() < 0.4:
-            segs, cache = reqs[int(rng.integers(len(reqs)))]
-            segs = [list(s) for s in segs]
-            cache = {"drop": dict(cache["drop"]), "reposition": list(cache["reposition"])}
-        else:
-            segs, cache = [], {"drop": {}, "reposition": []}
-        dropped = {i for v in cache["drop"].values() for i in v}
-        for _ in range(int(rng.integers(1, 5))):
-            segs.append(rng.integers(0, vocab, size=int(rng.integers(1, 20))).tolist())
-            s = len(segs) - 1
-            add_random_ops(rng, cache, s, dropped, p_drop=0.2, p_repos=0.3)
-        reqs.append((segs, cache))
-    return reqs
-
-
-def run(engine, reqs, concurrent):
-    """``(tokens, logprobs, meta)`` per request, sent in order (one at a time or at once)."""
-    return run_requests(engine, reqs, list(range(len(reqs))), concurrent, n=N_NEW)
-
-
-def check(dm, reqs, results):
-    for (segs, cache), (toks, lps, meta) in zip(reqs, results, strict=True):
-        ref_toks, ref_lps = dense_generate(dm, segs, parse_history(cache, len(segs)), N_NEW)
-        assert toks == ref_toks, (segs, cache)
-        np.testing.assert_allclose(lps, ref_lps, atol=1e-4)
-        assert meta["prompt_tokens"] == sum(map(len, segs))
 
 
 def smallest_engine(m, reqs, **kw) -> Engine:
@@ -248,7 +215,7 @@ def test_abort_mid_prefill_leaves_no_half_written_kv(model):
 def test_warm_up_shapes_covers_the_steps_and_leaves_no_trace(model):
     """After warm_up_shapes, requests of any length up to the chunk (decoding beside each
     other) compile nothing new, and the dummy forwards left no KV or tree state behind."""
-    from akv_jax.serving.device_group import _forward_step
+    from akv_jax.serving.device_group import forward_step
 
     m, dm = model
     eng = Engine(m, max_total_tokens=2048, page_size=8, attention_backend="reference",
@@ -257,10 +224,10 @@ def test_warm_up_shapes_covers_the_steps_and_leaves_no_trace(model):
     # rows
     assert eng.warm_up_shapes() == 5
     assert eng.cache.pool.used_pages == 0 and not list(eng.cache.tree.root.children)
-    compiled = _forward_step._cache_size()
+    compiled = forward_step._cache_size()
     reqs = [([list(range(1, 1 + n))], {"drop": {}, "reposition": []}) for n in (5, 70, 200)]
     check(dm, reqs, run(eng, reqs, concurrent=True))
-    assert _forward_step._cache_size() == compiled
+    assert forward_step._cache_size() == compiled
 
 
 # Both tiers run in the any-order harness on every CI run (test_exact_any_order.py, "auto"),

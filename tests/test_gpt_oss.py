@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_cases import engine_greedy
 from golden import GOLDEN, tiny_dir, tiny_golden
-from test_model_parity import engine_greedy
 
 from akv_jax.model.causal import greedy_generate
 from akv_jax.model.config import ConfigError, config_from_hf

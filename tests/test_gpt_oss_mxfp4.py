@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_cases import engine_greedy
 from golden import F32_ATOL, tiny_dir, tiny_golden
+from mxfp4_reference import naive_dequantize
 from safetensors.numpy import load_file, save_file
-from test_model_parity import engine_greedy
-from test_mxfp4 import naive_dequantize
 
 from akv_jax.model.causal import greedy_generate
 from akv_jax.model.params import (

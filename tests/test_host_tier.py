@@ -5,7 +5,7 @@ and exactness.py (tests/test_exact_any_order*.py)."""
 
 import jax
 import numpy as np
-from test_radix import insert
+from radix_support import insert
 
 from akv_jax.model.config import tiny_config
 from akv_jax.model.forward import KVPool

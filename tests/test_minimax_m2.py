@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from golden import tiny_dir
 
-from akv_jax.cache.dense_reference import _rope
+from akv_jax.cache.dense_reference import reference_rope
 from akv_jax.model.config import ConfigError, config_from_hf
 from akv_jax.model.forward import rms_norm_over_heads
 from akv_jax.model.moe import moe_mlp, route_sigmoid
@@ -146,9 +146,10 @@ def test_partial_rotary_append_and_repos_exact(fixture_model):
     kj = jnp.asarray(k)
     stored = apply_rope(kj, jnp.asarray(old), tab)
     moved = np.asarray(rerotate(stored, jnp.asarray(old), jnp.asarray(new), tab))
-    np.testing.assert_allclose(np.asarray(stored), _rope(k.astype(np.float64), old, inv),
-                               atol=1e-5)
-    np.testing.assert_allclose(moved, _rope(k.astype(np.float64), new, inv), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(stored), reference_rope(k.astype(np.float64), old, inv), atol=1e-5
+    )
+    np.testing.assert_allclose(moved, reference_rope(k.astype(np.float64), new, inv), atol=1e-5)
     np.testing.assert_allclose(moved, np.asarray(apply_rope(kj, jnp.asarray(new), tab)),
                                atol=3e-6)
     r = cfg.rope_dim

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_cases import engine_greedy
 from golden import F32_ATOL, TINY, smollm2_meta, smollm2_topk, tiny_dir, tiny_golden, topk_diff
 
-from akv_jax.cache.ops import parse_history
 from akv_jax.model.causal import greedy_generate
-from akv_jax.serving.engine import Engine
-from akv_jax.serving.types import GenerateRequest, SamplingParams
 from converters.loading import load_model
 
 # bfloat16 tolerances, measured against transformers' float32 logits (bf16 weights *and*
@@ -58,26 +56,6 @@ def test_tiny_float32_logits_and_greedy(name):
     assert logits.shape == g["logits"].shape
     assert np.abs(logits - g["logits"]).max() <= F32_ATOL
     assert cont == g["continuation"].tolist()
-
-
-def engine_greedy(
-    model, prompts: list[list[int]], n: int, attention_backend: str = "auto"
-) -> list[list[int]]:
-    """Greedy tokens of the serving engine for ``prompts`` sent at once (decoded together)."""
-    engine = Engine(
-        model,
-        max_total_tokens=sum(len(p) + n for p in prompts) + 256,
-        attention_backend=attention_backend,
-    )
-    sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(GenerateRequest(str(i), [p], parse_history(None, 1), sp))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for ev in engine.step():
-            assert ev.error is None, ev.error
-            out[ev.rid].append(ev.token_id)
-    return [out[str(i)] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("name", TINY)

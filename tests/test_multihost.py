@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
-from test_engine_exact import random_requests, run
+from engine_cases import random_requests, run
 
 from akv_jax.agent.launch import LocalServer
 from akv_jax.serving.engine import Engine

@@ -7,7 +7,6 @@ dropped slots) with NaN, so any stray read shows up as NaN in the output.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pallas_cases as cases
 import pytest
+from pallas_cases import assert_close, case_of_kind, dense_oracle
 
 from akv_jax.model.causal import greedy_generate
 from akv_jax.model.config import tiny_config
@@ -26,70 +26,7 @@ from akv_jax.pallas.reference import segment_attention_reference
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
 from akv_jax.pallas.segment_attention_tpu import segment_attention_tpu
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 BODIES = {"gpu": segment_attention_gpu, "tpu": segment_attention_tpu}
-
-
-def make(kind: str, *, page_size: int, seed: int = 0, block_q: int | None = None) -> cases.Case:
-    rng = np.random.default_rng(seed)
-    if kind == "decode":
-        lens = [1, 37, page_size * 3, 150, 96, 200, 50]  # a lone token, partial and full pages
-        case = cases.decode_case(rng, lens, page_size=page_size, drop_fraction=0.5, span=24)
-        # The last request sees nothing at all (its row must come out as zeros, not NaN).
-        blind = case.specs[-1]
-        case.specs[-1] = dataclasses.replace(blind, kv_visible=np.zeros_like(blind.kv_visible))
-        return case
-    if kind == "prefill":
-        return cases.prefill_case(
-            rng, 160, 90, page_size=page_size, block_q=block_q or 32, drop_fraction=0.4
-        )
-    if kind == "restore":
-        return cases.restore_case(rng, (20, 70, 25, 40, 30), page_size=page_size,
-                                  block_q=block_q or 16)
-    if kind == "long":  # the largest: 512 query rows
-        return cases.prefill_case(
-            rng, 0, 512, page_size=page_size, block_q=block_q or 64, drop_fraction=0.0
-        )
-    raise ValueError(kind)
-
-
-def dense_oracle(q, k_pages, v_pages, specs, page_size, sm_scale, sinks=None, window=None):
-    """Per-token softmax over exactly the keys each query row may see, in float64 numpy.
-
-    A sliding window keeps the ``window`` most recent *visible* keys at or before the row
-    (DESIGN §2.1: the W most recent entries of its view, itself included)."""
-    q = np.asarray(q, np.float64)
-    k_pages, v_pages = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
-    T, Hq, Dh = q.shape
-    Hkv = k_pages.shape[2]
-    G = Hq // Hkv
-    out = np.zeros_like(q)
-    for spec in specs:
-        n = len(spec.kv_visible)
-        keys = k_pages[np.asarray(spec.pages)].reshape(-1, Hkv, Dh)[:n]
-        vals = v_pages[np.asarray(spec.pages)].reshape(-1, Hkv, Dh)[:n]
-        for i in range(spec.q_len):
-            c = spec.causal_pos + i
-            idx = np.flatnonzero(spec.kv_visible[: c + 1])  # its view, in append order
-            if window is not None:
-                idx = idx[max(len(idx) - window, 0) :]
-            for h in range(Hq):
-                logits = keys[idx, h // G] @ q[spec.q_start + i, h] * sm_scale
-                extra = [] if sinks is None else [float(sinks[h])]
-                if len(idx) == 0 and not extra:
-                    continue
-                m = max(list(logits) + extra)
-                e = np.exp(logits - m)
-                denom = e.sum() + sum(np.exp(x - m) for x in extra)
-                out[spec.q_start + i, h] = e @ vals[idx, h // G] / denom
-    return out
-
-
-def _assert_close(out, want, dtype):
-    out = np.asarray(jnp.asarray(out, jnp.float32))
-    want = np.asarray(jnp.asarray(want, jnp.float32))
-    assert not np.isnan(out).any(), "NaN in output: a masked slot was read"
-    np.testing.assert_allclose(out, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 # ---------------------------------------------------------------- reference vs numpy oracle
@@ -98,7 +35,7 @@ def _assert_close(out, want, dtype):
 @pytest.mark.parametrize("kind", ["decode", "prefill", "restore"])
 @pytest.mark.parametrize("extras", [False, True], ids=["plain", "sinks+window"])
 def test_reference_matches_dense_oracle(kind, extras):
-    case = make(kind, page_size=16)
+    case = case_of_kind(kind, page_size=16)
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(1), num_kv_heads=2, group=3, head_dim=16
     )
@@ -109,7 +46,7 @@ def test_reference_matches_dense_oracle(kind, extras):
         q, k, v, batch, block_q=case.block_q, sm_scale=scale, sinks=sinks, sliding_window=window
     )
     want = dense_oracle(q, k, v, case.specs, 16, scale, sinks=sinks, window=window)
-    _assert_close(got, want, jnp.float32)
+    assert_close(got, want, jnp.float32)
 
 
 def test_reference_fully_masked_rows_are_zero():
@@ -149,7 +86,7 @@ def _case_id(c):
 
 
 def _check_kernel(body, kind, group, page_size, dtype, head_dim=16, kernel_kw=None, **kw):
-    case = make(kind, page_size=page_size)
+    case = case_of_kind(kind, page_size=page_size)
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(2), num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype
     )
@@ -164,7 +101,7 @@ def _check_kernel(body, kind, group, page_size, dtype, head_dim=16, kernel_kw=No
         **(kernel_kw or {}),
     )
     assert got.dtype == q.dtype and got.shape == q.shape
-    _assert_close(got, _REFERENCE_CACHE[key], dtype)
+    assert_close(got, _REFERENCE_CACHE[key], dtype)
     if kind == "decode":  # the blind request
         np.testing.assert_array_equal(np.asarray(got[len(case.specs) - 1], np.float32), 0.0)
 
@@ -203,7 +140,7 @@ def test_gpu_kernel_float32_head_dim_128_tiles():
 
 def test_gpu_kernel_without_split():
     """The other tests' shapes get split-K by default (few programs); here one split."""
-    case = make("prefill", page_size=16)
+    case = case_of_kind("prefill", page_size=16)
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(3), num_kv_heads=2, group=4, head_dim=16
     )
@@ -212,7 +149,7 @@ def test_gpu_kernel_without_split():
         q, k, v, batch, block_q=case.block_q, sm_scale=0.25, kv_splits=1, keys_per_step=16,
         interpret=True,
     )
-    _assert_close(got, ref, jnp.float32)
+    assert_close(got, ref, jnp.float32)
 
 
 @pytest.mark.parametrize("body", ["gpu", "tpu"])
@@ -227,7 +164,7 @@ def test_kernel_512_rows(body):
 def test_plan_reads_only_visible_pages():
     """Each block's page range holds exactly the visible pages its rows can reach."""
     ps = 16
-    case = make("decode", page_size=ps)
+    case = case_of_kind("decode", page_size=ps)
     batch = case.batch()
     blocks = plan_lib.blocks_of(batch)
     plan = plan_lib.plan_pages(batch, blocks, page_size=ps)
@@ -319,7 +256,7 @@ def test_window_counts_visible_entries(backend, page_size, group, window, with_s
     got = _attend(backend, q, k, v, batch, block_q=case.block_q, sm_scale=0.25, sinks=sinks,
                   window=window)
     want = dense_oracle(q, k, v, case.specs, page_size, 0.25, sinks=sinks, window=window)
-    _assert_close(got, want, jnp.float32)
+    assert_close(got, want, jnp.float32)
 
 
 def test_window_starts_match_numpy():
@@ -357,7 +294,7 @@ def test_window_counts_visible_entries_sweep(backend):
             got = _attend(backend, q, k, v, batch, block_q=16, sm_scale=0.25, sinks=sinks,
                           window=window)
             want = dense_oracle(q, k, v, case.specs, 8, 0.25, sinks=sinks, window=window)
-            _assert_close(got, want, jnp.float32)
+            assert_close(got, want, jnp.float32)
 
 
 def test_window_without_invisible_slots_is_transformers_rule():
@@ -398,7 +335,7 @@ def test_window_without_invisible_slots_is_transformers_rule():
                 logit = keys[sel, 0] @ qq[spec.q_start + i, h] * 0.5
                 e = np.exp(logit - logit.max())
                 want[spec.q_start + i, h] = e @ vals[sel, 0] / e.sum()
-    _assert_close(got, want, jnp.float32)
+    assert_close(got, want, jnp.float32)
 
 
 # ------------------------------------------------------------------------------ dispatch
@@ -416,7 +353,7 @@ def test_resolve_backend():
 
 
 def test_dispatch_pallas_on_cpu_runs_the_kernel():
-    case = make("restore", page_size=16)
+    case = case_of_kind("restore", page_size=16)
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(5), num_kv_heads=2, group=3, head_dim=16
     )
@@ -426,14 +363,14 @@ def test_dispatch_pallas_on_cpu_runs_the_kernel():
     # is the chunked jnp path (no Pallas lowering here)
     auto_fn = make_attention_fn("auto", block_q=case.block_q, sm_scale=0.25, platform="cpu")
     ker_fn = make_attention_fn("pallas", block_q=case.block_q, sm_scale=0.25)
-    _assert_close(ker_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)
-    _assert_close(auto_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)
+    assert_close(ker_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)
+    assert_close(auto_fn(q, k, v, batch), ref_fn(q, k, v, batch), jnp.float32)
 
 
 def test_every_backend_reads_one_layer_of_a_stacked_pool():
     """``layer=``: the pools hold every layer and attention reads that one in place; the
     answer equals the reference on that layer's pool alone (other layers hold other data)."""
-    case = make("restore", page_size=16)
+    case = case_of_kind("restore", page_size=16)
     rng = np.random.default_rng(9)
     q, k, v, batch = cases.materialize(case, rng, num_kv_heads=2, group=3, head_dim=16)
     noise = [jnp.asarray(rng.standard_normal(k.shape), k.dtype) for _ in range(2)]
@@ -441,13 +378,13 @@ def test_every_backend_reads_one_layer_of_a_stacked_pool():
     ref = segment_attention_reference(q, k, v, batch, block_q=case.block_q, sm_scale=0.25)
     for backend, platform in (("reference", None), ("auto", "cpu"), ("pallas", None)):
         fn = make_attention_fn(backend, block_q=case.block_q, sm_scale=0.25, platform=platform)
-        _assert_close(fn(q, k_all, v_all, batch, layer=jnp.int32(1)), ref, jnp.float32)
+        assert_close(fn(q, k_all, v_all, batch, layer=jnp.int32(1)), ref, jnp.float32)
 
 
 def test_every_backend_takes_sinks_per_call():
     """Sinks come with each call (a per-layer parameter) and the window is static: the
     dispatcher's functions, on a stacked pool, against the oracle."""
-    case = make("restore", page_size=16)
+    case = case_of_kind("restore", page_size=16)
     rng = np.random.default_rng(10)
     q, k, v, batch = cases.materialize(case, rng, num_kv_heads=2, group=3, head_dim=16)
     k_all, v_all = jnp.stack([v, k]), jnp.stack([k, v])
@@ -457,7 +394,7 @@ def test_every_backend_takes_sinks_per_call():
         fn = make_attention_fn(backend, block_q=case.block_q, sm_scale=0.25, platform=platform,
                                sliding_window=9)
         got = fn(q, k_all, v_all, batch, layer=jnp.int32(1), sinks=sinks)
-        _assert_close(got, want, jnp.float32)
+        assert_close(got, want, jnp.float32)
 
 
 # --------------------------------------------------------------------------------- model
@@ -482,7 +419,7 @@ def test_model_greedy_with_pallas_backend():
 def test_chunked_matches_reference(kind, page_size):
     from akv_jax.pallas.chunked import segment_attention_chunked
 
-    case = make(kind, page_size=page_size)
+    case = case_of_kind(kind, page_size=page_size)
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(2), num_kv_heads=2, group=4, head_dim=16
     )
@@ -491,13 +428,13 @@ def test_chunked_matches_reference(kind, page_size):
     got = segment_attention_chunked(
         q, k, v, batch, block_q=case.block_q, sm_scale=scale, pages_per_chunk=3
     )
-    _assert_close(got, want, jnp.float32)
+    assert_close(got, want, jnp.float32)
 
 
 def test_chunked_sinks_and_window_match_oracle():
     from akv_jax.pallas.chunked import segment_attention_chunked
 
-    case = make("restore", page_size=16)
+    case = case_of_kind("restore", page_size=16)
     q, k, v, batch = cases.materialize(
         case, np.random.default_rng(1), num_kv_heads=2, group=3, head_dim=16
     )
@@ -506,7 +443,7 @@ def test_chunked_sinks_and_window_match_oracle():
         q, k, v, batch, block_q=case.block_q, sm_scale=0.25, sinks=sinks, sliding_window=33
     )
     want = dense_oracle(q, k, v, case.specs, 16, 0.25, sinks=sinks, window=33)
-    _assert_close(got, want, jnp.float32)
+    assert_close(got, want, jnp.float32)
 
 
 def test_chunked_gathered_views_window_chunks_and_stale_buffers():
@@ -542,4 +479,4 @@ def test_chunked_gathered_views_window_chunks_and_stale_buffers():
         got = segment_attention_chunked(q, jnp.asarray(k), jnp.asarray(v), batch,
                                         block_q=block_q, sm_scale=0.3, sinks=sinks,
                                         sliding_window=w, pages_per_chunk=2)
-        _assert_close(got[:29], want[:29], jnp.float32)
+        assert_close(got[:29], want[:29], jnp.float32)

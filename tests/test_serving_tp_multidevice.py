@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from test_engine_exact import check, random_requests, run
+from engine_cases import check, random_requests, run
 
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history

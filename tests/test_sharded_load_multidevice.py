@@ -185,7 +185,7 @@ def test_served_tokens_at_tp2_and_disaggregated_equal_tp1():
     """The server's way (``load_placement``): loaded into the tp 2 mesh (the group then moves
     nothing), or on the host with one placement per ``--disaggregate 2,2`` group; the same
     tokens and log-probs as tp 1."""
-    from test_engine_exact import random_requests, run
+    from engine_cases import random_requests, run
 
     from akv_jax.serving.engine import Engine
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cache_core import classify, random_history
+from ops_cases import classify, random_history
 
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history

@@ -18,7 +18,7 @@ What is compiled (:func:`kernel_cases`, :func:`step_cases`):
 * the two Pallas kernels (segment attention, repos) at decode, prefill and restore shapes for
   each model's head layout, float32 and bfloat16, with sinks and the sliding window where the
   model has them;
-* the serving step: :func:`akv_jax.serving.device_group._forward_step`, the jitted function
+* the serving step: :func:`akv_jax.serving.device_group.forward_step`, the jitted function
   the server runs each step (embedding, every layer's KV writes and Pallas attention, MoE,
   logits rows), from abstract params (``Params.abstract``: no weights) sharded like the
   server shards them. Sampling is not in it: the server samples on the host (numpy,
@@ -56,7 +56,7 @@ from akv_jax.model.params import (
 )
 from akv_jax.model.params import (
     Params,
-    _is_info,
+    is_array_info,
     logical_to_spec,
     make_mesh,
     param_shardings,
@@ -66,7 +66,7 @@ from akv_jax.pallas.dispatch import make_repos_fn
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
 from akv_jax.pallas.segment_attention_tpu import segment_attention_tpu
-from akv_jax.serving.device_group import KV_AXES, _forward_step
+from akv_jax.serving.device_group import KV_AXES, forward_step
 from akv_jax.serving.executor import (
     DECODE_BLOCK_Q,
     PREFILL_BLOCK_Q,
@@ -417,7 +417,7 @@ def abstract_params(cfg: ModelConfig, mesh: Any, dtype: Any = jnp.bfloat16) -> P
     shardings = param_shardings(cfg, mesh)
     return jax.tree.map(
         lambda info, s: jax.ShapeDtypeStruct(info.shape, dtype, sharding=s),
-        Params.abstract(cfg), shardings, is_leaf=_is_info,
+        Params.abstract(cfg), shardings, is_leaf=is_array_info,
     )
 
 
@@ -485,7 +485,7 @@ def step_inputs(case: StepCase, requests: int = DECODE_REQUESTS,
 
 
 def step_args(cfg: ModelConfig, case: StepCase, devices: tuple) -> tuple:
-    """Arguments of ``_forward_step`` as the executor builds them (its buckets), abstract."""
+    """Arguments of ``forward_step`` as the executor builds them (its buckets), abstract."""
     mesh = make_mesh(case.tp, list(devices[: case.tp]))
     rep = NamedSharding(mesh, PartitionSpec())
     ps = PAGE_SIZE
@@ -548,7 +548,7 @@ def step_traffic(cfg: ModelConfig, case: StepCase) -> tuple[float, float]:
 
 
 def compile_step(target_name: str, case: StepCase) -> Result:
-    """Compile the server's step (``_forward_step``) for ``case`` on ``case.tp`` devices."""
+    """Compile the server's step (``forward_step``) for ``case`` on ``case.tp`` devices."""
     t = TARGETS[target_name]
     devices = topology_devices(target_name)
     cfg = preset_config(case.model)
@@ -563,8 +563,8 @@ def compile_step(target_name: str, case: StepCase) -> Result:
     flops, nbytes = step_traffic(cfg, case)
     res.extra["traffic_flops"], res.extra["traffic_bytes"] = flops, nbytes
     # The server's own jitted step (static cfg, attention and mesh; the pool donated).
-    step = functools.partial(_forward_step, mesh=mesh if case.tp > 1 else None)
-    step.lower = lambda *a: _forward_step.lower(*a, mesh=mesh if case.tp > 1 else None)
+    step = functools.partial(forward_step, mesh=mesh if case.tp > 1 else None)
+    step.lower = lambda *a: forward_step.lower(*a, mesh=mesh if case.tp > 1 else None)
     compile_one(
         res, t, step,
         (params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows), devices[0],
@@ -579,7 +579,7 @@ def param_bytes_per_device(cfg: ModelConfig, tp: int, itemsize: int = 2) -> int:
     """Weight bytes on one device under the server's sharding rules (replicated axes whole)."""
     mesh_shape = {"tensor": tp}
     total = 0
-    for info in jax.tree.leaves(Params.abstract(cfg), is_leaf=_is_info):
+    for info in jax.tree.leaves(Params.abstract(cfg), is_leaf=is_array_info):
         n = int(np.prod(info.shape))
         split = any(
             PARAM_RULES.get(ax) in mesh_shape and dim % tp == 0

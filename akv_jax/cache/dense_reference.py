@@ -66,14 +66,16 @@ class DenseState:
     def rotated_keys(self, inv_freq: np.ndarray, scale: float = 1.0) -> list[np.ndarray]:
         """The keys as the cache stores them: rotated to their current positions, times the
         attention factor ``scale`` (YaRN; 1.0 otherwise)."""
-        return [scale * _rope(k, self.pos, inv_freq) for k in self.k_raw]
+        return [scale * reference_rope(k, self.pos, inv_freq) for k in self.k_raw]
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-def _rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+def reference_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """``x`` [T, H, D] rotated to positions ``pos`` [T] (numpy, rotate-half pairing; dims past
+    ``2 * len(inv_freq)`` pass through): the reference the kernels' rotations are checked on."""
     # Same angle definition as transformers: float32(inv_freq_f32 * position).
     angle = (pos.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float32)
     angle = angle.astype(np.float64)[:, None, :]
@@ -201,8 +203,8 @@ class DenseModel:
             vals = np.concatenate([st.v[layer], v])
             k_raw.append(keys_raw)
             vs.append(vals)
-            qr = self.attn_factor * _rope(q, pos_new, self.inv_freq)
-            kr = self.attn_factor * _rope(keys_raw, pos_all, self.inv_freq)
+            qr = self.attn_factor * reference_rope(q, pos_new, self.inv_freq)
+            kr = self.attn_factor * reference_rope(keys_raw, pos_all, self.inv_freq)
             lmask = _window_mask(mask, cfg.window_for(cfg.layer_type(layer)))
             out = np.zeros_like(q)
             for hq in range(cfg.num_heads):

@@ -16,7 +16,7 @@ from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import KVPool, KVWrites, forward, make_model_attention
 from akv_jax.model.params import Params
 from akv_jax.model.rope import rope_table_for
-from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
+from akv_jax.pallas.metadata import SegmentBatch, SegmentSpec, bucket, build_segment_batch
 from akv_jax.pallas.rotary import RopeTable
 
 PAGE_SIZE = 16
@@ -29,7 +29,9 @@ def _step(params, cfg, tokens, positions, kv, writes, batch, rope, rows, block_q
     return forward(params, cfg, tokens, positions, kv, writes, batch, rope, attention, rows)
 
 
-def _one_segment(start: int, n: int, block_q: int, pages: int):
+def one_segment_batch(start: int, n: int, block_q: int, pages: int) -> SegmentBatch:
+    """The batch of one causal segment: ``n`` queries from position ``start`` over the first
+    ``pages`` pages, every earlier key visible."""
     spec = SegmentSpec(
         q_start=0,
         q_len=n,
@@ -65,7 +67,7 @@ def greedy_generate(
     pos = np.arange(tpad, dtype=np.int32)
     slots = np.where(pos < n, pos, pages * PAGE_SIZE).astype(np.int32)
     writes = KVWrites(slots=jnp.asarray(slots[None]), positions=jnp.asarray(pos[None]))
-    batch = _one_segment(0, n, BLOCK_Q, pages)
+    batch = one_segment_batch(0, n, BLOCK_Q, pages)
     logits, kv = _step(
         params, cfg, jnp.asarray(tokens), jnp.asarray(pos), kv, writes, batch, rope, None, BLOCK_Q,
         attention_backend,
@@ -80,7 +82,7 @@ def greedy_generate(
         p = n + i
         one = jnp.asarray([p], jnp.int32)
         writes = KVWrites(slots=one[None], positions=one[None])
-        batch = _one_segment(p, 1, 1, pages)
+        batch = one_segment_batch(p, 1, 1, pages)
         logits, kv = _step(
             params, cfg, jnp.asarray([nxt], jnp.int32), one, kv, writes, batch, rope, None, 1,
             attention_backend,

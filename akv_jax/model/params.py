@@ -37,7 +37,8 @@ class ArrayInfo:
     init: str = "normal"  # "normal" (std 0.02) or "ones"
 
 
-def _is_info(x: Any) -> bool:
+def is_array_info(x: Any) -> bool:
+    """Whether ``x`` is an :class:`ArrayInfo` leaf (``is_leaf`` for trees of them)."""
     return isinstance(x, ArrayInfo)
 
 
@@ -262,13 +263,13 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
         sh = NamedSharding(mesh, logical_to_spec(info.axes, info.shape, mesh))
         return param_placement(info, sh, platform)
 
-    return jax.tree.map(one, Params.abstract(cfg), is_leaf=_is_info)
+    return jax.tree.map(one, Params.abstract(cfg), is_leaf=is_array_info)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random params (the tiny test model): normal(0.02) weights, unit norms."""
     abstract = Params.abstract(cfg)
-    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_info)
+    leaves, treedef = jax.tree.flatten(abstract, is_leaf=is_array_info)
     keys = jax.random.split(key, len(leaves))
     out = []
     for info, k in zip(leaves, keys, strict=True):
@@ -291,7 +292,7 @@ def seeded_params(cfg: ModelConfig, seed: int, dtype=jnp.float32, host: bool = F
     """
     rng = np.random.default_rng(seed)
     abstract = Params.abstract(cfg)
-    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_info)
+    leaves, treedef = jax.tree.flatten(abstract, is_leaf=is_array_info)
     out = []
     for info in leaves:
         z = rng.standard_normal(info.shape, dtype=np.float32)
@@ -313,7 +314,7 @@ def params_from_arrays(
     :func:`params_on_device`).
     """
     abstract = Params.abstract(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_info)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_array_info)
     out = []
     for path, info in flat:
         name = ".".join(p.name for p in path)
@@ -385,7 +386,7 @@ def leaf_shardings(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
         return param_placement(info, sh, platform)
 
     platform = mesh_platform(mesh)
-    return jax.tree.map(one, Params.abstract(cfg), params, is_leaf=_is_info)
+    return jax.tree.map(one, Params.abstract(cfg), params, is_leaf=is_array_info)
 
 
 def place_array(x: Any, sharding: Any, dtype=None) -> jax.Array:

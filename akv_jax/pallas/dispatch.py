@@ -142,7 +142,7 @@ def _per_head_shard(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array
     operand onto each device. Attention is independent per kv head (and its query heads:
     q head ``h * G + g`` reads kv head ``h``, so contiguous shards keep groups whole), so
     under a mesh with a "tensor" axis (set by the serving step, see
-    :func:`akv_jax.serving.device_group._forward_step`) each device runs the kernel on its
+    :func:`akv_jax.serving.device_group.forward_step`) each device runs the kernel on its
     own heads with ``shard_map``. Without such a mesh, or when the kv heads do not split
     evenly (then the pool is replicated: :func:`akv_jax.model.params.logical_to_spec`), the
     kernel is called as is.

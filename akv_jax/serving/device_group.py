@@ -27,8 +27,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.forward import KVPool, KVWrites, forward, pack_layers, split_layers
-from akv_jax.model.params import Params, logical_to_spec, make_mesh, shard_params
+from akv_jax.model.forward import Attention, KVPool, KVWrites, forward, pack_layers, split_layers
+from akv_jax.model.params import LayerParams, Params, logical_to_spec, make_mesh, shard_params
 from akv_jax.pallas.dispatch import make_repos_fn
 from akv_jax.pallas.metadata import SegmentBatch, bucket
 from akv_jax.pallas.rotary import RopeTable
@@ -96,7 +96,7 @@ class DeviceGroup:
         """Run one step; returns its logits rows and their greedy summary (still on device,
         so dispatch stays async). ``unrolled``: run the layers unrolled where the group keeps
         per-layer weights."""
-        out, kv = _forward_step(
+        out, kv = forward_step(
             self.params,
             self.cfg,
             tokens,
@@ -125,8 +125,9 @@ class DeviceGroup:
         arr = np.zeros((4, n), np.int32)
         arr[1] = P * ps  # padding copies write out of range
         arr[:, : len(copies)] = np.asarray(copies, np.int32).T
-        self.kv = _rerotate_copy(self.kv, *(jnp.asarray(a) for a in arr), rope, self._repos,
-                                 mesh=self.mesh)
+        self.kv = rerotate_copy_pool(
+            self.kv, *(jnp.asarray(a) for a in arr), rope, self._repos, mesh=self.mesh
+        )
 
 
 def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None:
@@ -187,8 +188,21 @@ def masked_greedy(logits: jax.Array, rows: jax.Array, bits: jax.Array):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh"), donate_argnums=(4,))
-def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows,
-                  mesh=None, layer_list=None, packed=None):
+def forward_step(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    q_pos: jax.Array,
+    kv: KVPool,
+    writes: KVWrites,
+    batch: SegmentBatch,
+    rope: RopeTable,
+    attention: Attention,
+    rows: jax.Array,
+    mesh: jax.sharding.Mesh | None = None,
+    layer_list: list[LayerParams] | None = None,
+    packed: dict[str, jax.Array] | None = None,
+) -> tuple[StepLogits, KVPool]:
     """One serving step. ``mesh``: the group's tensor-parallel mesh, made the context mesh
     so that the Pallas kernels run per head shard (see ``dispatch._per_head_shard``).
     ``layer_list``: per-layer weights to run the layers unrolled; ``packed``: projection
@@ -204,7 +218,7 @@ def _forward_step(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention
 
 
 @functools.partial(jax.jit, static_argnames=("repos", "mesh"), donate_argnums=(0,))
-def _rerotate_copy(kv: KVPool, src, dst, old_pos, new_pos, rope, repos, mesh=None) -> KVPool:
+def rerotate_copy_pool(kv: KVPool, src, dst, old_pos, new_pos, rope, repos, mesh=None) -> KVPool:
     """Copy keys (re-rotated old_pos -> new_pos) and values from slots ``src`` to ``dst``
     (``len(src)`` a multiple of :data:`COPY_PAGE`); ``repos`` is a ``make_repos_fn`` function.
     ``mesh``: the group's tensor-parallel mesh (the repos kernel runs per head shard)."""
