@@ -218,6 +218,17 @@ def visible_pages(case: Case) -> int:
     return int(case.attended_slots().any(axis=1).sum())
 
 
+def poisoned_pools(rng: np.random.Generator, num_pages: int, page_size: int, kv_heads: int,
+                   head_dim: int, poisoned_from: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random key and value pools ``[P, ps, Hkv, Dh]`` whose pages from ``poisoned_from`` on
+    hold NaN: no view may read them, and a kernel that does shows it."""
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    k[poisoned_from:], v[poisoned_from:] = np.nan, np.nan
+    return k, v
+
+
 def materialize(
     case: Case,
     key: jax.Array | np.random.Generator,

@@ -83,10 +83,7 @@ def test_kernel_tiles_nan_pool_and_padding_segments():
     holding NaN, and rows past a block's q_len: against the reference, on a stacked pool."""
     ps, Hkv, G, Dh, block_q = 4, 2, 3, 16, 8
     rng = np.random.default_rng(7)
-    P = 120
-    k = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
-    v = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
-    k[100:], v[100:] = np.nan, np.nan  # never part of a view
+    k, v = cases.poisoned_pools(rng, 120, ps, Hkv, Dh, poisoned_from=100)
     vis_b = np.ones(118, bool)
     vis_b[40:57] = False  # dropped span
     segs = [
@@ -121,10 +118,7 @@ def test_kernel_chunks_fold_to_the_same_bits_however_shared_out():
     assert os.cpu_count() >= 2, "one core never splits a step: the test would prove nothing"
     ps, Hkv, G, Dh, block_q = 16, 1, 3, 16, 8
     rng = np.random.default_rng(11)
-    P = 400
-    k = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
-    v = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
-    k[300:], v[300:] = np.nan, np.nan  # never part of a view
+    k, v = cases.poisoned_pools(rng, 400, ps, Hkv, Dh, poisoned_from=300)
     n = 3400
     vis = np.ones(n, bool)
     vis[1000:1100] = False  # dropped, across the first chunk's end

@@ -456,10 +456,7 @@ def test_chunked_gathered_views_window_chunks_and_stale_buffers():
 
     ps, Hkv, G, Dh, block_q = 4, 2, 3, 8, 4
     rng = np.random.default_rng(7)
-    P = 40
-    k = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
-    v = rng.standard_normal((P, ps, Hkv, Dh)).astype(np.float32)
-    k[30:], v[30:] = np.nan, np.nan  # never part of a view
+    k, v = cases.poisoned_pools(rng, 40, ps, Hkv, Dh, poisoned_from=30)
     vis_b = np.ones(30, bool)
     vis_b[9:17] = False  # dropped span
     segs = [
