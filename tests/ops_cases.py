@@ -17,14 +17,15 @@ from akv_jax.serving.engine import Engine
 CAPACITY = 192  # slots of the CacheOps state: the longest random history fits
 
 
-def random_history(rng, n_max=9, len_max=24):
-    """``(segments, history)``: 2..``n_max`` random segments with random drops and repos."""
-    n = int(rng.integers(2, n_max + 1))
+def random_history(rng, n_max=9, len_max=24, n_min=2, p_drop=0.25):
+    """``(segments, history)``: ``n_min``..``n_max`` random segments with random drops (each
+    live segment with probability ``p_drop`` at each boundary) and repos."""
+    n = int(rng.integers(n_min, n_max + 1))
     lens = rng.integers(1, len_max + 1, size=n)
     segs = [rng.integers(0, 512, size=int(m)).tolist() for m in lens]
     drops, dropped = {}, set()
     for s in range(n):
-        cand = [i for i in range(s + 1) if i not in dropped and rng.random() < 0.25]
+        cand = [i for i in range(s + 1) if i not in dropped and rng.random() < p_drop]
         if cand:
             drops[str(s)] = cand
             dropped.update(cand)

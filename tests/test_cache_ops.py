@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from ops_cases import random_history
 
 from akv_jax.cache.ops import (
     OP_APPEND,
@@ -101,16 +102,8 @@ def test_timeline_matches_simple_walk():
     """Positions from the timeline equal a literal simulation for random histories."""
     rng = np.random.default_rng(1)
     for _ in range(100):
-        n = int(rng.integers(1, 9))
-        lens = rng.integers(1, 5, size=n).tolist()
-        drops, dropped = {}, set()
-        for s in range(n):
-            cand = [i for i in range(s + 1) if i not in dropped and rng.random() < 0.2]
-            if cand:
-                drops[str(s)] = cand
-                dropped.update(cand)
-        repos = [s for s in range(n) if rng.random() < 0.3]
-        h = parse_history({"drop": drops, "reposition": repos}, n)
+        segs, h = random_history(rng, n_max=8, len_max=4, n_min=1, p_drop=0.2)
+        n, lens = len(segs), [len(seg) for seg in segs]
         tl = timeline(lens, h)
         pos, act, nxt = [], [], 0
         for s in range(n):
