@@ -65,7 +65,7 @@ class CacheManager:
 
     def node_pages(self, node: Node) -> int:
         """Pages ``node`` holds when resident (token runs start on a fresh page)."""
-        return self.pages_for(node.num_tokens)
+        return node.num_pages(self.page_size)
 
     @property
     def used_pages(self) -> int:

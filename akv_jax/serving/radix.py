@@ -229,7 +229,7 @@ class Node:
 
     def page_array(self) -> np.ndarray:
         """``pages`` as an int32 array, cached while ``pages`` is the same list (every change
-        of a node's pages assigns a new one); zeros, page 0, for an emptied node."""
+        of a node's pages assigns a new one); empty while the node is not resident."""
         if self._page_list is not self.pages or self._page_array is None:
             self._page_list = self.pages
             self._page_array = (np.asarray(self.pages, np.int32) if self.pages is not None
