@@ -101,7 +101,7 @@ def bucket(n: int, minimum: int = 8, steps_per_octave: int = 1) -> int:
 
 def pages_with_a_slot(slots: np.ndarray) -> np.ndarray:
     """``slots.any(axis=-1)`` for a bool ``[..., page_size]`` array, eight slots a word when
-    the page size allows (numpy's reduction over a short last axis costs ~15x more)."""
+    the page size allows (numpy reduces a short last axis one slot at a time)."""
     ps = slots.shape[-1]
     if ps % 8 or not slots.flags.c_contiguous:
         return slots.any(axis=-1)
