@@ -11,7 +11,9 @@ import atexit
 import json
 from collections.abc import Iterator, Sequence
 
-from akv_jax.agent.launch import LocalServer
+import httpx
+
+from akv_jax.agent.launch import LocalServer, metric_samples
 
 # Tiny-model server settings shared by the tests (pool of 1024 pages of 16 tokens).
 TINY_ARGS = ("--model-path", "tiny", "--max-total-tokens", "16384", "--page-size", "16")
@@ -59,8 +61,10 @@ def sse_events(lines: Iterator[str]) -> list[object]:
 
 
 def metric_value(text: str, name: str) -> float:
-    """The value of an unlabelled sample ``name`` in Prometheus text output."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
+    """The value of sample ``name`` in Prometheus text output (``name{k="v"}`` if labelled)."""
+    return metric_samples(text)[name]
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """Every sample of the server's ``/metrics`` (see :func:`metric_samples`)."""
+    return metric_samples(client.get("/metrics").text)

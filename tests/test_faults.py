@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from server_support import shared_server, sse_events
+from server_support import scrape, shared_server, sse_events
 
 from akv_jax.agent.launch import MODULE, LocalServer
 from akv_jax.cache.ops import parse_history
@@ -288,8 +288,7 @@ def test_app_fault_is_a_500_for_that_request_and_the_others_complete(app_engine,
     assert [t for e in events[:-1] for t in e["output_ids"]] == solo["b"][0]
     assert client.post("/flush_cache").json() == {"flushed": True}
     assert eng.cache.pool.used_pages == 0
-    metrics = client.get("/metrics").text
-    assert "akv_engine_requests_failed 2.0" in metrics.splitlines()
+    assert scrape(client)["akv_engine_requests_failed"] == 2.0
 
 
 def test_app_step_fault_fails_the_running_requests_and_the_server_keeps_serving(app_engine,
@@ -353,20 +352,10 @@ def test_app_fatal_engine_error_fails_everyone_and_reports_unhealthy(app_engine)
 # --------------------------------------------------------------------------- disconnects
 
 
-def _metrics(c) -> dict[str, float]:
-    """Every sample of /metrics, keyed by its name with labels as printed."""
-    out = {}
-    for line in c.get("/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
 def _wait_for(c, key: str, value: float, timeout: float = 30.0) -> float:
     """Seconds until metric ``key`` reads ``value`` (fails after ``timeout``)."""
     t0 = time.monotonic()
-    while _metrics(c).get(key) != value:
+    while scrape(c).get(key) != value:
         assert time.monotonic() - t0 < timeout, f"{key} never reached {value}"
         time.sleep(0.05)
     return time.monotonic() - t0
@@ -394,7 +383,7 @@ def test_a_stream_cut_off_mid_way_aborts_its_request_and_frees_its_pages(route):
                 "max_tokens": LONG, "ignore_eos": True}
     with srv.client() as c:
         assert c.post("/flush_cache").json() == {"flushed": True}
-        before = _metrics(c)
+        before = scrape(c)
         assert before[USED] == 0
         with c.stream("POST", route, json=body) as r:
             assert r.status_code == 200
@@ -407,16 +396,16 @@ def test_a_stream_cut_off_mid_way_aborts_its_request_and_frees_its_pages(route):
                     lines.append(line)
                 if len(lines) == 3:  # a few tokens in: the request runs and holds pages
                     break
-            during = _metrics(c)
+            during = scrape(c)
             assert during[RUNNING] == 1 and during[USED] > 0, (lines, srv.stderr_lines[-20:])
         # leaving the block closed the connection mid-stream
         _wait_for(c, RUNNING, 0, timeout=20)
-        after = _metrics(c)
+        after = scrape(c)
         assert after[FINISHED] == before[FINISHED]  # aborted, not run to its end
         assert after[_cancelled(endpoint)] == before.get(_cancelled(endpoint), 0) + 1
         # nothing holds a page: the flush empties the pool (it would refuse while running)
         assert c.post("/flush_cache").json() == {"flushed": True}
-        assert _metrics(c)[USED] == 0
+        assert scrape(c)[USED] == 0
         r = c.post("/generate", json={"input_ids": [1, 2, 3],
                                       "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
@@ -429,20 +418,20 @@ def test_a_plain_request_whose_client_disconnects_is_aborted():
                        "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}).encode()
     with srv.client() as c:
         assert c.post("/flush_cache").json() == {"flushed": True}
-        before = _metrics(c)
+        before = scrape(c)
         gone = 'akv_http_requests_total{method="POST",path="/generate",status="499"}'
         with socket.create_connection((host, int(port))) as s:
             s.sendall(b"POST /generate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
                       b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             _wait_for(c, RUNNING, 1)
             time.sleep(0.3)  # decoding now
-            assert _metrics(c)[USED] > 0
+            assert scrape(c)[USED] > 0
         _wait_for(c, RUNNING, 0, timeout=20)
-        after = _metrics(c)
+        after = scrape(c)
         assert after[FINISHED] == before[FINISHED]
         assert after[gone] == before.get(gone, 0) + 1
         assert c.post("/flush_cache").json() == {"flushed": True}
-        assert _metrics(c)[USED] == 0
+        assert scrape(c)[USED] == 0
 
 
 # --------------------------------------------------------------------------- multi-host

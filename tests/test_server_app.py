@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from server_support import sse_events
 
+from akv_jax.agent.launch import metric_samples
 from akv_jax.cache.ops import CacheOpError
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.serving.api import create_app
@@ -251,28 +252,29 @@ def test_metrics_text(app_client):
     client, _ = app_client
     client.post("/generate", json={"input_ids": [1, 9]})
     text = client.get("/metrics").text
-    for line in [
-        "akv_cache_queries_total 3.0",
-        "akv_cache_query_tokens_total 40.0",
-        "akv_cache_hit_tokens_total 10.0",
-        "akv_cache_hit_rate 0.25",
-        "akv_kv_pool_used_pages 2.0",
-        "akv_kv_pool_total_pages 8.0",
-        "akv_kv_pool_usage 0.25",
-        "akv_cache_evictions_total 1.0",
-        "akv_cache_restores_total 0.0",
-        "akv_cache_restored_tokens_total 5.0",
-        "akv_num_running_requests 0.0",
-        "akv_num_waiting_requests 0.0",
-        'akv_http_requests_total{method="POST",path="/generate",status="200"} 1.0',
-        'akv_request_latency_seconds_count{endpoint="generate"} 1.0',
-        'akv_time_to_first_token_seconds_count{endpoint="generate"} 1.0',
-        'akv_requests_finished_total{endpoint="generate",finish_reason="length"} 1.0',
-        "akv_prompt_tokens_total 2.0",
-        "akv_generation_tokens_total 3.0",
-        "akv_cached_prompt_tokens_total 4.0",
-    ]:
-        assert line in text.splitlines(), line
+    want = {
+        "akv_cache_queries_total": 3.0,
+        "akv_cache_query_tokens_total": 40.0,
+        "akv_cache_hit_tokens_total": 10.0,
+        "akv_cache_hit_rate": 0.25,
+        "akv_kv_pool_used_pages": 2.0,
+        "akv_kv_pool_total_pages": 8.0,
+        "akv_kv_pool_usage": 0.25,
+        "akv_cache_evictions_total": 1.0,
+        "akv_cache_restores_total": 0.0,
+        "akv_cache_restored_tokens_total": 5.0,
+        "akv_num_running_requests": 0.0,
+        "akv_num_waiting_requests": 0.0,
+        'akv_http_requests_total{method="POST",path="/generate",status="200"}': 1.0,
+        'akv_request_latency_seconds_count{endpoint="generate"}': 1.0,
+        'akv_time_to_first_token_seconds_count{endpoint="generate"}': 1.0,
+        'akv_requests_finished_total{endpoint="generate",finish_reason="length"}': 1.0,
+        "akv_prompt_tokens_total": 2.0,
+        "akv_generation_tokens_total": 3.0,
+        "akv_cached_prompt_tokens_total": 4.0,
+    }
+    got = metric_samples(text)
+    assert {k: got.get(k) for k in want} == want
     assert "note" not in text
 
 

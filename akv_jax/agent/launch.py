@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 READY_PREFIX = "akv_jax serving "
 MODULE = ("-m", "akv_jax.serving.main")
@@ -54,8 +55,9 @@ class LocalServer:
 
     ``launcher`` is what follows the interpreter on the command line: ``("-c", code)`` runs
     ``code`` instead of the module (say, to patch the engine and then call
-    ``akv_jax.serving.main.main(sys.argv[1:])``). Raises :class:`RuntimeError`, with the end
-    of the server's stderr, if it is not ready within ``timeout_s`` or exits first.
+    ``akv_jax.serving.main.main(sys.argv[1:])``); ``python`` is the interpreter (this one by
+    default). Raises :class:`RuntimeError`, with the end of the server's stderr, if it is not
+    ready within ``timeout_s`` or exits first.
     """
 
     def __init__(
@@ -65,8 +67,9 @@ class LocalServer:
         env: Mapping[str, str] | None = None,
         *,
         launcher: Sequence[str] = MODULE,
+        python: str = sys.executable,
     ):
-        self.cmd = [sys.executable, *launcher, "--host", "127.0.0.1", "--port", "0",
+        self.cmd = [python, *launcher, "--host", "127.0.0.1", "--port", "0",
                     "--log-level", "warning", *args]
         self.stdout_lines: list[str] = []
         self.stderr_lines: list[str] = []
@@ -127,15 +130,25 @@ class LocalServer:
         self.stop()
 
 
+def metric_samples(text: str) -> dict[str, float]:
+    """Every sample of Prometheus text output (``GET /metrics``), keyed by its name, with its
+    labels in the printed order: ``akv_kv_pool_used_pages``, ``name{method="POST",...}``."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items())
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def metrics(url: str) -> dict[str, float]:
+    """:func:`metric_samples` of the server at ``url``."""
+    return metric_samples(httpx.get(url + "/metrics", timeout=30).text)
+
+
 def counters(url: str) -> dict[str, float]:
     """The unlabelled counters of ``GET /metrics`` listed in :data:`COUNTERS`."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in COUNTERS:
-            out[name] = float(value)
-    return out
+    return {k: v for k, v in metrics(url).items() if k in COUNTERS}
 
 
 def flush(url: str, timeout_s: float = 60.0) -> None:
