@@ -8,7 +8,7 @@
 # TPU or CUDA plugin there would be probed at every backend start). jax, jaxlib and the
 # plugins are pinned to the main .venv's exact jax version: the plugins must match jaxlib.
 # Usage: bash scripts/aot.sh [--full | --build-only]
-#   --full: the whole matrix (~30 min on 2 cores); --build-only: build .venv-aot and stop
+#   --full: the whole matrix (too long for CI); --build-only: build .venv-aot and stop
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

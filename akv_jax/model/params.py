@@ -229,16 +229,9 @@ def logical_to_spec(
 
 def row_major_on_tpu(info: ArrayInfo) -> bool:
     """Whether a parameter is stored row-major on a TPU: the stacked expert weights
-    ``[L, E, in, out]``.
-
-    XLA:TPU's default layout for an array puts a dimension that fills its 128-lane tiles
-    (no padding) minor-most: for GPT-OSS's ``[L, 128, 2880, 720]`` (TP4) that is the expert
-    axis (layout ``{1,3,2,0}``: physically ``[L, in, out, E]``). ``ragged_dot`` wants each
-    expert's ``[in, out]`` row-major, and layout assignment carries that requirement from the
-    layer scan's slice back to the whole stacked parameter, so the compiled step began with
-    a transposed copy of *every* layer's experts (a temporary as large as the expert weights:
-    116 GB on a v5p for GPT-OSS-120B TP4). Stored row-major (``in``/``out`` padded to the
-    tile, +7% for 720 -> 768) the scan slices a layer without any copy."""
+    ``[L, E, in, out]``. XLA:TPU's default layout puts the expert axis minor-most, so the
+    step copied every layer's experts into the row-major form ``ragged_dot`` wants; stored
+    row-major, the layer scan slices them without a copy (docs/hardware.md, "Open")."""
     return len(info.axes) == 4 and info.axes[:2] == ("layer", "expert")
 
 
@@ -286,7 +279,7 @@ def seeded_params(cfg: ModelConfig, seed: int, dtype=jnp.float32, host: bool = F
     """Random params like :func:`init_params`, drawn with numpy from an integer seed.
 
     Same distributions, but no per-shape XLA compiles (eager ``jax.random`` compiles one
-    program per distinct shape, ~10 s for the tiny model on 2 cores): this is what the
+    program per distinct shape, most of a tiny model's start-up): this is what the
     ``tiny`` model that servers and tests start from uses. ``host``: float32 numpy arrays
     (``dtype`` not applied), to be placed later (:func:`shard_params`, :func:`params_on_device`).
     """

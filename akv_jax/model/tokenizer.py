@@ -340,8 +340,8 @@ def _cached_bpe(
     not_special: Sequence[str],
 ) -> Tokenizer:
     """``build()`` (with the ``not_special`` added tokens made ordinary ones), kept as a
-    tokenizer.json under :func:`akv_jax.model.vocabularies.cache_dir`: loading that takes
-    about a second, building the BPE 1.5-2.5 s. The file is named by a digest of the
+    tokenizer.json under :func:`akv_jax.model.vocabularies.cache_dir`, as loading that is
+    cheaper than building the BPE at every start. The file is named by a digest of the
     vocabulary and of the code that builds it, so a change to either builds it afresh."""
     digest = hashlib.sha256(pickle.dumps((encoding(), tuple(not_special)), protocol=5))
     for module in (vocabularies, byte_bpe):

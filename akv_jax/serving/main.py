@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-shapes", action="store_true",
                    help="before serving, run every prefill and decode step shape up to "
                         "--prefill-chunk tokens, --max-running-requests rows and the position "
-                        "limit, so that no request waits for a compile (~1 s a shape with a "
-                        "warm compile cache, more on a cold one)")
+                        "limit, so that no request waits for a compile (or, with a warm "
+                        "compile cache, for a load) of its step shape")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 

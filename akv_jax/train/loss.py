@@ -18,8 +18,8 @@ backward would keep every block's gathered view alive (blocks x view x heads), s
 attention call is rematerialised (``jax.checkpoint``): the backward recomputes one layer's
 attention instead of storing it. The forward is
 :func:`~akv_jax.model.forward.forward_uncached`: each layer attends to a pool of its own, so
-no all-layer KV pool is carried through the layer scan (carried, its cotangent made a
-SmolLM2 training step ~20x slower, 2.5 against ~50 tokens/s, and peak at ~13 GB).
+no all-layer KV pool is carried through the layer scan (carried, its cotangent made the
+backward sum a pool-sized array per layer; the figures are in docs/training.md).
 
 :func:`op_by_op_token_losses` is the oracle the tests hold the one-pass loss to: the same
 targets scored on logits from the incremental ops (append, drop, repos per segment,
