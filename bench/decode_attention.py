@@ -51,9 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
 
-from akv_jax.model.config import ModelConfig, RopeConfig, tiny_config
+from akv_jax.model.config import ModelConfig, RopeConfig
 from akv_jax.model.forward import KVPool, KVWrites, forward
 from akv_jax.model.params import seeded_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch

@@ -346,7 +346,7 @@ class Layout:
 def layout(model: str, cpu: bool, tp: int = 1) -> Layout:
     """A preset's attention layout (one ``tp`` shard's heads). On the CPU one kv head (the
     interpreted grid runs per head) and a window that the small views reach past."""
-    from akv_jax.model.config import preset_config
+    from akv_jax.model.presets import preset_config
 
     cfg = preset_config(model)
     hkv = 1 if cpu else cfg.num_kv_heads // tp
@@ -438,7 +438,7 @@ def repos_check(model: str, dtype: str, cpu: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from akv_jax.model.config import preset_config
+    from akv_jax.model.presets import preset_config
     from akv_jax.model.rope import rope_table_for
     from akv_jax.pallas.dispatch import make_repos_fn
     from akv_jax.pallas.reference import repos_reference
@@ -522,8 +522,8 @@ def imports_check() -> dict:
 def tiny_model(name: str) -> SimpleNamespace:
     """``--model-path NAME``'s config and random weights (converters.loading draws them the
     same way, seed 0), without a tokenizer: the engine takes token ids."""
-    from akv_jax.model.config import tiny_config, tiny_gpt_oss_config, tiny_qwen3_moe_config
     from akv_jax.model.params import seeded_params
+    from akv_jax.model.presets import tiny_config, tiny_gpt_oss_config, tiny_qwen3_moe_config
 
     configs = {"tiny": tiny_config, "tiny-gpt-oss": tiny_gpt_oss_config,
                "tiny-qwen3-moe": tiny_qwen3_moe_config}
@@ -756,8 +756,8 @@ def step_check(cpu: bool) -> dict:
     import jax.numpy as jnp
 
     from akv_jax.aot import build
-    from akv_jax.model.config import preset_config, tiny_gpt_oss_config
     from akv_jax.model.forward import make_model_attention
+    from akv_jax.model.presets import preset_config, tiny_gpt_oss_config
     from akv_jax.model.rope import rope_table_for
     from akv_jax.serving.device_group import DeviceGroup
 

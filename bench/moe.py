@@ -54,8 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
 
-from akv_jax.model.config import tiny_config
 from akv_jax.model.moe import clamped_swiglu, moe_mlp, route, route_sigmoid, route_softmax_topk
+from akv_jax.model.presets import tiny_config
 from akv_jax.pallas import grouped_matmul as gmm
 from converters import mxfp4
 

@@ -5,13 +5,13 @@
   ``$AKV_JAX_CACHE/<name>`` (default ``~/.cache/akv_jax/<name>``) and loaded from there after.
 * ``"tiny"``: a small random model (fixed seed) with a byte-level ChatML tokenizer, for tests;
   ``"tiny-gpt-oss"``: the same for a small random GPT-OSS (sliding/full layers with a window of
-  8, experts, sinks, YaRN; :func:`akv_jax.model.config.tiny_gpt_oss_config`), chatting in
+  8, experts, sinks, YaRN; :func:`akv_jax.model.presets.tiny_gpt_oss_config`), chatting in
   harmony (:mod:`akv_jax.model.harmony_template`) over its byte vocabulary;
   ``"tiny-minimax-m2"``: a small random MiniMax-M2 (sigmoid-routed experts, q/k norm over all
-  heads, partial rotary; :func:`akv_jax.model.config.tiny_minimax_m2_config`) with a
+  heads, partial rotary; :func:`akv_jax.model.presets.tiny_minimax_m2_config`) with a
   byte-level tokenizer in MiniMax-M2's chat format;
   ``"tiny-qwen3-moe"``: a small random Qwen3-MoE (dense and MoE layers alternating, 6 experts
-  top-2 renormalised; :func:`akv_jax.model.config.tiny_qwen3_moe_config`) with Qwen3's chat
+  top-2 renormalised; :func:`akv_jax.model.presets.tiny_qwen3_moe_config`) with Qwen3's chat
   template over a byte-level ChatML vocabulary;
   ``"tiny-gpt-oss-bpe"`` and ``"tiny-qwen3-moe-bpe"``: the same GPT-OSS and Qwen3-MoE over
   the released vocabularies (o200k_harmony, Qwen3's), tokenizing text as the released models;
@@ -45,21 +45,21 @@ import numpy as np
 from jax.sharding import Mesh
 
 from akv_jax.model import checkpoint
-from akv_jax.model.config import (
-    ModelConfig,
-    tiny_config,
-    tiny_gpt_oss_bpe_config,
-    tiny_gpt_oss_config,
-    tiny_minimax_m2_config,
-    tiny_qwen3_moe_bpe_config,
-    tiny_qwen3_moe_config,
-)
+from akv_jax.model.config import ModelConfig
 from akv_jax.model.params import (
     PACKABLE_FIELDS,
     Params,
     params_on_device,
     seeded_params,
     shard_params,
+)
+from akv_jax.model.presets import (
+    tiny_config,
+    tiny_gpt_oss_bpe_config,
+    tiny_gpt_oss_config,
+    tiny_minimax_m2_config,
+    tiny_qwen3_moe_bpe_config,
+    tiny_qwen3_moe_config,
 )
 from akv_jax.model.released_templates import QWEN3_TEMPLATE
 from akv_jax.model.tokenizer import ChatTokenizer

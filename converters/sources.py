@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from akv_jax.model.config import ConfigError, ModelConfig, config_from_hf
+from akv_jax.model.config import ConfigError, ModelConfig
+from akv_jax.model.hf_config import config_from_hf
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 from converters import fp8, mxfp4

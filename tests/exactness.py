@@ -20,8 +20,8 @@ import numpy as np
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import add_random_ops, parse_history
 from akv_jax.cache.timeline import timeline
-from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.serving.admission import pages_bound
 from akv_jax.serving.engine import Engine
 from akv_jax.serving.types import GenerateRequest, SamplingParams

@@ -15,8 +15,8 @@ from ops_cases import classify, random_history
 from akv_jax.cache.core import CacheOps, restore, run_history
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history
-from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.model.rope import make_rope_table
 from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.rotary import apply_rope, rerotate

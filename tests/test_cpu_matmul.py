@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from akv_jax.model import config as cfgs
+from akv_jax.model import presets
 from akv_jax.model.causal import BLOCK_Q, PAGE_SIZE, one_segment_batch
 from akv_jax.model.forward import (
     KVPool,
@@ -249,9 +249,9 @@ def test_output_head_takes_kernel_for_decode_rows(tied):
     products."""
     import dataclasses
 
-    from akv_jax.model.config import tiny_config
     from akv_jax.model.forward import lm_logits
     from akv_jax.model.params import init_params
+    from akv_jax.model.presets import tiny_config
 
     cfg = dataclasses.replace(tiny_config(), tie_word_embeddings=tied)
     params = init_params(cfg, jax.random.PRNGKey(0))
@@ -383,9 +383,9 @@ def test_forward_from_packed_layers_is_the_forward(arch):
     panels (the serving DeviceGroup's on the CPU) gives the bits of the plain forward, for
     models whose layer kinds alternate (GPT-OSS's windows; Qwen3-MoE's dense and MoE layers,
     where a dense layer's row in its stack is not its index)."""
-    cfg = {"llama": lambda: cfgs.tiny_config("llama"), "gpt_oss": cfgs.tiny_gpt_oss_config,
-           "qwen3_moe": cfgs.tiny_qwen3_moe_config,
-           "minimax_m2": cfgs.tiny_minimax_m2_config}[arch]()
+    cfg = {"llama": lambda: presets.tiny_config("llama"), "gpt_oss": presets.tiny_gpt_oss_config,
+           "qwen3_moe": presets.tiny_qwen3_moe_config,
+           "minimax_m2": presets.tiny_minimax_m2_config}[arch]()
     params = init_params(cfg, jax.random.key(3))
     packed = pack_layers(params.layers)
     assert set(packed) == ({"wq", "wk", "wv", "wo"} if arch in ("gpt_oss", "minimax_m2")

@@ -17,8 +17,8 @@ from exactness import pool_that_forces_eviction, run_requests
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history
 from akv_jax.errors import InvalidField
-from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.serving.engine import Engine
 from akv_jax.serving.types import GenerateRequest, SamplingParams
 

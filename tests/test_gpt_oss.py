@@ -15,8 +15,9 @@ from engine_cases import engine_greedy
 from golden import GOLDEN, tiny_dir, tiny_golden
 
 from akv_jax.model.causal import greedy_generate
-from akv_jax.model.config import ConfigError, config_from_hf
+from akv_jax.model.config import ConfigError
 from akv_jax.model.forward import layer_period, rope_scaled
+from akv_jax.model.hf_config import config_from_hf, config_to_hf
 from akv_jax.model.moe import moe_mlp
 from akv_jax.model.rope import hf_inv_freq, rope_table_for
 from akv_jax.pallas.rotary import rerotate
@@ -35,8 +36,8 @@ def test_yarn_inv_freq_and_attention_factor_match_transformers(i):
     # numpy (the model's logits stay within 1.2e-6 of transformers' with it).
     np.testing.assert_array_max_ulp(ours, np.float32(case["inv_freq"]), maxulp=2)
     assert cfg.rope.attention_scaling() == pytest.approx(case["attention_scaling"], rel=1e-12)
-    # The config reads back to itself through to_hf_dict.
-    assert config_from_hf(cfg.to_hf_dict()) == cfg
+    # The config reads back to itself through config_to_hf.
+    assert config_from_hf(config_to_hf(cfg)) == cfg
 
 
 def test_released_config_form_and_defaults():
@@ -61,7 +62,7 @@ def test_fixture_config_and_layer_groups():
     cfg = m.cfg
     assert cfg.swiglu_limit == 0.8 and cfg.sliding_window == 12 and not cfg.rope.truncate
     assert layer_period(cfg) == 2  # the scan runs over (sliding, full) pairs
-    assert config_from_hf(cfg.to_hf_dict()) == cfg
+    assert config_from_hf(config_to_hf(cfg)) == cfg
     lp = m.params.layers
     assert lp.w_gate is None and lp.expert_gate.shape == (4, 5, 40, 28)
     assert lp.sinks.shape == (4, 4) and lp.bq.shape == (4, 4, 24)

@@ -7,9 +7,9 @@ import jax
 import numpy as np
 from radix_support import insert
 
-from akv_jax.model.config import tiny_config
 from akv_jax.model.forward import KVPool
 from akv_jax.model.params import init_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.serving.cache_manager import CacheManager
 from akv_jax.serving.device_group import DeviceGroup
 from akv_jax.serving.host_tier import HostKV

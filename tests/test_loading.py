@@ -13,7 +13,7 @@ import pytest
 from golden import smollm2_meta, tiny_dir
 
 from akv_jax.model import checkpoint
-from akv_jax.model.config import tiny_config
+from akv_jax.model.presets import tiny_config
 from converters.loading import (
     DEFAULT_MODEL,
     ModelLoadError,

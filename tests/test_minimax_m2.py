@@ -18,8 +18,9 @@ import pytest
 from golden import tiny_dir
 
 from akv_jax.cache.dense_reference import reference_rope
-from akv_jax.model.config import ConfigError, config_from_hf
+from akv_jax.model.config import ConfigError
 from akv_jax.model.forward import rms_norm_over_heads
+from akv_jax.model.hf_config import config_from_hf, config_to_hf
 from akv_jax.model.moe import moe_mlp, route_sigmoid
 from akv_jax.model.rope import hf_inv_freq, rope_table_for
 from akv_jax.pallas.rotary import apply_rope, rerotate
@@ -73,7 +74,7 @@ def test_config_forms_and_errors(fixture_model):
     raw = json.loads((tiny_dir(NAME) / "config.json").read_text())
     assert raw["rope_parameters"]["partial_rotary_factor"] == 0.5 and raw["rotary_dim"] == 16
     assert cfg.rotary_dim == 16 and cfg.head_dim == 32
-    assert config_from_hf(cfg.to_hf_dict()) == cfg
+    assert config_from_hf(config_to_hf(cfg)) == cfg
     with pytest.raises(ConfigError, match="rotary dims"):
         config_from_hf({**RELEASED_FORM, "rotary_dim": 63})
     with pytest.raises(ConfigError, match="num_experts_per_tok"):

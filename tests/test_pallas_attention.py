@@ -17,8 +17,8 @@ import pytest
 from pallas_cases import assert_close, case_of_kind, dense_oracle
 
 from akv_jax.model.causal import greedy_generate
-from akv_jax.model.config import tiny_config
 from akv_jax.model.params import init_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.pallas import plan as plan_lib
 from akv_jax.pallas.dispatch import make_attention_fn, resolve_backend
 from akv_jax.pallas.metadata import SegmentSpec, build_segment_batch

@@ -17,9 +17,10 @@ import pallas_aot as aot
 import pallas_cases as cases
 import pytest
 
-from akv_jax.model.config import RopeConfig, tiny_config
+from akv_jax.model.config import RopeConfig
 from akv_jax.model.forward import KVPool, KVWrites, forward
 from akv_jax.model.params import init_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.model.rope import make_rope_table, rope_table_for
 from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.repos import repos_pallas

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from akv_jax.model.config import RopeConfig, tiny_config
+from akv_jax.model.config import RopeConfig
 from akv_jax.model.forward import KVPool
 from akv_jax.model.params import seeded_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.model.rope import make_rope_table, rope_table_for
 from akv_jax.pallas.dispatch import make_repos_fn
 from akv_jax.pallas.reference import repos_reference

@@ -15,8 +15,9 @@ import pytest
 from golden import tiny_dir
 from safetensors.numpy import load_file, save_file
 
-from akv_jax.model.config import ConfigError, config_from_hf
+from akv_jax.model.config import ConfigError
 from akv_jax.model.forward import layer_period
+from akv_jax.model.hf_config import config_from_hf, config_to_hf
 from akv_jax.model.moe import moe_mlp
 from akv_jax.model.params import params_to_arrays
 from converters.loading import ModelLoadError, load_model
@@ -58,7 +59,7 @@ def test_released_config_and_transformers5_form():
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_width) == (128, 8, 768)
     assert cfg.intermediate_size == 6144 and cfg.norm_topk_prob and cfg.rope.theta == 1e6
     assert cfg.mlp_layers(moe=True) == tuple(range(48)) and layer_period(cfg) == 1
-    assert config_from_hf(cfg.to_hf_dict()) == cfg
+    assert config_from_hf(config_to_hf(cfg)) == cfg
     # transformers 5's save_pretrained spells the expert count num_local_experts.
     t5 = {k: v for k, v in RELEASED.items() if k != "num_experts"} | {"num_local_experts": 128}
     assert config_from_hf(t5) == cfg
@@ -94,7 +95,7 @@ def test_fixture_config_params_and_layer_groups():
     assert lp.w_gate.shape == (1, 40, 56) and lp.router.shape == (3, 40, 6)
     assert lp.expert_gate.shape == (3, 6, 40, 18) and lp.expert_down.shape == (3, 6, 18, 40)
     assert lp.router_bias is None and lp.expert_gate_bias is None and lp.q_norm.shape == (4, 12)
-    assert config_from_hf(cfg.to_hf_dict()) == cfg
+    assert config_from_hf(config_to_hf(cfg)) == cfg
 
 
 def _moe_oracle(cfg, lp, h: np.ndarray) -> np.ndarray:

@@ -219,8 +219,8 @@ def sharp():
     from types import SimpleNamespace
 
     from akv_jax.cache.dense_reference import DenseModel
-    from akv_jax.model.config import tiny_config
     from akv_jax.model.params import seeded_params
+    from akv_jax.model.presets import tiny_config
 
     cfg = tiny_config("qwen3")
     params = seeded_params(cfg, 0)

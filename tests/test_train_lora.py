@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from akv_jax.cache.ops import parse_history
-from akv_jax.model.config import tiny_config
 from akv_jax.model.forward import Adapted
 from akv_jax.model.params import seeded_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.train.example import TrainTrajectory
 from akv_jax.train.lora import TARGETS, adapt, init_lora, merge
 from akv_jax.train.loss import loss, pack_logits

@@ -21,8 +21,8 @@ from ops_cases import classify, random_history
 
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history
-from akv_jax.model.config import tiny_config
 from akv_jax.model.params import seeded_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.train.example import TrainTrajectory
 from akv_jax.train.loss import loss, op_by_op_token_losses, token_losses
 from akv_jax.train.pack import PackShape, pack

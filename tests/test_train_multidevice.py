@@ -21,8 +21,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from akv_jax.cache.ops import parse_history  # noqa: E402
-from akv_jax.model.config import tiny_config  # noqa: E402
 from akv_jax.model.params import make_mesh, seeded_params  # noqa: E402
+from akv_jax.model.presets import tiny_config  # noqa: E402
 from akv_jax.train.example import TrainTrajectory  # noqa: E402
 from akv_jax.train.loss import loss  # noqa: E402
 from akv_jax.train.optim import OptimConfig  # noqa: E402

@@ -21,8 +21,8 @@ import optax
 import pytest
 
 from akv_jax.cache.ops import parse_history
-from akv_jax.model.config import tiny_config
 from akv_jax.model.params import seeded_params
+from akv_jax.model.presets import tiny_config
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.train.checkpoint import TrainCheckpointer, export_for_serving, serving_params
 from akv_jax.train.example import TrainTrajectory

@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from akv_jax.aot.targets import TARGETS, Target, gpu_target_config
-from akv_jax.model.config import ModelConfig, preset_config
+from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import KVPool, KVWrites, make_model_attention
 from akv_jax.model.params import (
     SHARDING_RULES as PARAM_RULES,
@@ -61,6 +61,7 @@ from akv_jax.model.params import (
     make_mesh,
     param_shardings,
 )
+from akv_jax.model.presets import preset_config
 from akv_jax.model.rope import make_rope_table, rope_table_for
 from akv_jax.pallas.dispatch import make_repos_fn
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch

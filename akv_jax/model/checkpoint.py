@@ -2,7 +2,7 @@
 
 Layout of a converted folder::
 
-    config.json       ModelConfig.to_hf_dict() plus an "akv_jax" entry (format, dtype, origin)
+    config.json       hf_config.config_to_hf(cfg) plus an "akv_jax" entry (format, dtype, origin)
     params/           orbax StandardCheckpointer checkpoint of the params as a nested dict
     tokenizer.json, tokenizer_config.json, chat_template.jinja, ...   (when there is a tokenizer)
 
@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from akv_jax.model.config import ModelConfig, config_from_hf
+from akv_jax.model.config import ModelConfig
+from akv_jax.model.hf_config import config_from_hf, config_to_hf
 from akv_jax.model.params import Params, params_from_arrays, params_to_arrays
 
 PARAMS_DIR = "params"
@@ -61,7 +62,7 @@ def save_checkpoint(
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    hf = cfg.to_hf_dict()
+    hf = config_to_hf(cfg)
     hf["akv_jax"] = {"format": FORMAT_VERSION, "dtype": dtype, "origin": origin}
     (path / "config.json").write_text(json.dumps(hf, indent=1) + "\n")
     with ocp.StandardCheckpointer() as ckptr:
