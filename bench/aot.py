@@ -11,7 +11,7 @@ on that chip), the memory plan of the paper's setup (GPT-OSS-120B, bf16, TP4 on 
 many KV-pool tokens fit beside it), and writes bench/results/aot.json. Exits 1 when any
 compile fails. The last line reads
 ``aot: K/N compiles succeed on T targets, GPT-OSS-120B TP4 bf16 fits with a KV pool of M
-tokens per A800``. See akv_jax/aot/build.py for what each figure means.
+tokens per A800``. See akv_jax/aot/compiler.py for what each figure means.
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-# Before jax starts (see akv_jax.aot.build.ENV): no CUDA driver check, ptxas' report logged.
-from akv_jax.aot.build import ENV  # noqa: E402  (imports jax, but no backend starts yet)
+# Before jax starts (see akv_jax.aot.compiler.ENV): no CUDA driver check, ptxas' report logged.
+from akv_jax.aot.compiler import ENV  # noqa: E402  (imports jax, but no backend starts yet)
 
 for _k, _v in ENV.items():
     os.environ[_k] = _v
 
-from akv_jax.aot import build  # noqa: E402
+from akv_jax.aot.compiler import PAGE_SIZE, Result, check_env  # noqa: E402
+from akv_jax.aot.kernel_compiles import compile_kernel, kernel_cases  # noqa: E402
+from akv_jax.aot.step_compiles import compile_step, fits, kv_pool_tokens, step_cases  # noqa: E402
 from akv_jax.aot.targets import PAPER_TARGET, TARGETS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "aot.json"
@@ -50,7 +52,7 @@ def target_table() -> list[str]:
     return rows
 
 
-def result_row(r: build.Result) -> str:
+def result_row(r: Result) -> str:
     if not r.ok:
         return f"| {r.target} | {r.name} | FAIL | {r.error[:160]} | | | | |"
     if r.kernels:
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(e.g. 'GPT-OSS-120B TP4 decode')")
     ap.add_argument("--json", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    missing = build.check_env()
+    missing = check_env()
     if missing:
         print(f"aot: set {' '.join(missing)} before jax starts", file=sys.stderr)
         return 2
@@ -103,29 +105,29 @@ def main(argv: list[str] | None = None) -> int:
     print("| target | compile | result | registers, spills (GPU) / VMEM (TPU) | argument GB | "
           "temp GB | GFLOP / GB accessed | estimate ms |")
     print("|---|---|---|---|---|---|---|---|")
-    results: list[build.Result] = []
+    results: list[Result] = []
     skipped: list[str] = []
     for name in args.targets:
-        for case in build.kernel_cases(full=not args.ci) if args.only != "steps" else ():
-            r = build.compile_kernel(name, case)
+        for case in kernel_cases(full=not args.ci) if args.only != "steps" else ():
+            r = compile_kernel(name, case)
             results.append(r)
             print(result_row(r), flush=True)
             _write(args, results, skipped, t0)
         if args.only == "kernels":
             continue
-        for case in build.step_cases(full=not args.ci):
+        for case in step_cases(full=not args.ci):
             if args.ci and name != PAPER_TARGET:
                 continue  # CI compiles the serving step once: the paper's setup
             if args.steps and args.steps not in case.name:
                 continue
-            fit, why = build.fits(name, case)
+            fit, why = fits(name, case)
             if not fit:  # reported, not compiled: XLA would stop at CompileTimeHbmOom
                 skipped.append(f"{name}: {case.name}: {why}")
                 print(f"| {name} | {case.name} | n/a | {why} | | | | |", flush=True)
                 continue
-            r = build.compile_step(name, case)
+            r = compile_step(name, case)
             if r.ok and case.model == "GPT-OSS-120B":
-                r.extra["fits_pool_tokens"] = build.kv_pool_tokens(r, TARGETS[name].memory_bytes)
+                r.extra["fits_pool_tokens"] = kv_pool_tokens(r, TARGETS[name].memory_bytes)
             results.append(r)
             print(result_row(r), flush=True)
             _write(args, results, skipped, t0)
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             and "decode" in r.name]
     print()
     print("Memory plan (estimate from memory_analysis(); GPT-OSS-120B bf16, TP4, page size "
-          f"{build.PAGE_SIZE}): KV pool tokens that fit per device beside weights, "
+          f"{PAGE_SIZE}): KV pool tokens that fit per device beside weights, "
           "inputs and the decode step's temporaries")
     for r in plan:
         m = r.memory

@@ -28,7 +28,7 @@ lent GPU and what each part costs.
   timed and counted the same way, in a process without jax; skipped where torch is absent.
 * ``step``: the server's decode step (:class:`akv_jax.serving.device_group.DeviceGroup`) at
   GPT-OSS-20B's shapes with random bfloat16 weights, 16 requests over 4,096-token views:
-  tokens/s against the roofline estimate of :mod:`akv_jax.aot.build` (bench/aot.py's).
+  tokens/s against the roofline estimate of :mod:`akv_jax.aot.step_compiles` (bench/aot.py's).
 
 ``--cpu``: the same code on small shapes, Pallas in interpret mode; timings mean nothing
 there, the point is that every path runs before device time is spent on it.
@@ -472,7 +472,7 @@ def repos_check(model: str, dtype: str, cpu: bool) -> dict:
 def run_kernels(part: Part, cpu: bool) -> None:
     """Repos first (quick), then attention phase by phase, so that a part cut short by its
     budget has still seen every layout at decode."""
-    from akv_jax.aot.build import KERNEL_LAYOUTS, PHASES
+    from akv_jax.aot.kernel_compiles import KERNEL_LAYOUTS, PHASES
 
     for model in KERNEL_LAYOUTS:
         for dtype in DTYPES:
@@ -755,21 +755,28 @@ def step_check(cpu: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from akv_jax.aot import build
+    from akv_jax.aot.compiler import PAGE_SIZE, roofline_s
+    from akv_jax.aot.step_compiles import (
+        DECODE_REQUESTS,
+        DECODE_VIEW,
+        StepCase,
+        step_inputs,
+        step_traffic,
+    )
     from akv_jax.model.forward import make_model_attention
     from akv_jax.model.presets import preset_config, tiny_gpt_oss_config
     from akv_jax.model.rope import rope_table_for
     from akv_jax.serving.device_group import DeviceGroup
 
     info = gpu_path(cpu)
-    real = build.StepCase("GPT-OSS-20B", 1, "decode", build.DECODE_REQUESTS * build.DECODE_VIEW)
-    requests, view = (2, 64) if cpu else (build.DECODE_REQUESTS, build.DECODE_VIEW)
+    real = StepCase("GPT-OSS-20B", 1, "decode", DECODE_REQUESTS * DECODE_VIEW)
+    requests, view = (2, 64) if cpu else (DECODE_REQUESTS, DECODE_VIEW)
     case = dataclasses.replace(real, pool_tokens=requests * view)
     cfg = tiny_gpt_oss_config() if cpu else preset_config(real.model)
-    inp = build.step_inputs(case, requests, view)
+    inp = step_inputs(case, requests, view)
     backend = backend_for(cpu)
-    group = DeviceGroup(cfg, random_params(cfg, jnp.bfloat16), case.pool_tokens // build.PAGE_SIZE,
-                        build.PAGE_SIZE, jnp.bfloat16, attention_backend=backend)
+    group = DeviceGroup(cfg, random_params(cfg, jnp.bfloat16), case.pool_tokens // PAGE_SIZE,
+                        PAGE_SIZE, jnp.bfloat16, attention_backend=backend)
     attention = make_model_attention(cfg, backend, inp.block_q)
     rope = rope_table_for(cfg)
 
@@ -780,13 +787,13 @@ def step_check(cpu: bool) -> dict:
     secs = time_per_call(step, jax.block_until_ready, iters=1 if cpu else 10)
     # The roofline of the real step, on this device's figures (elsewhere the H200's, for
     # reference: the tiny stand-in's time is no fraction of it).
-    flops, nbytes = build.step_traffic(preset_config(real.model), real)
+    flops, nbytes = step_traffic(preset_config(real.model), real)
     target, figures = peak(jax_device_kind(cpu))
-    roofline = build.roofline_s(flops, nbytes, target or TARGETS["H200"])
+    roofline = roofline_s(flops, nbytes, target or TARGETS["H200"])
     info.update(figures, model="tiny-gpt-oss (stand-in)" if cpu else real.model,
                 requests=requests, view=view, step_ms=secs * 1e3, tokens_per_s=requests / secs,
                 roofline_target=(target or TARGETS["H200"]).name, roofline_ms=roofline * 1e3,
-                roofline_tokens_per_s=build.DECODE_REQUESTS / roofline,
+                roofline_tokens_per_s=DECODE_REQUESTS / roofline,
                 roofline_fraction=roofline / secs if target else None,
                 traffic_gflop=flops / 1e9, traffic_gb=nbytes / 1e9)
     return info

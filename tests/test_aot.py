@@ -11,8 +11,11 @@ import os
 
 import pytest
 
-from akv_jax.aot import build
+from akv_jax.aot.compiler import ENV, shape_struct, topology_devices
+from akv_jax.aot.kernel_compiles import KernelCase, compile_kernel, kernel_cases
+from akv_jax.aot.step_compiles import StepCase, compile_step, kv_pool_tokens, step_cases
 from akv_jax.aot.targets import TARGETS, gpu_target_config
+from akv_jax.model.presets import preset_config
 
 pytestmark = [
     pytest.mark.aot,
@@ -23,7 +26,7 @@ pytestmark = [
 @pytest.fixture(scope="module", autouse=True)
 def _toolchain_env():
     # Set here too (the variables are read when the backends start, which is after import).
-    for k, v in build.ENV.items():
+    for k, v in ENV.items():
         os.environ[k] = v
 
 
@@ -40,8 +43,8 @@ def test_ci_set_compiles_on_every_target(target):
     """The CI set (bench/aot.py --ci) for each target; a compile error fails CI. GPUs: no
     spills in the bf16 decode attention (ptxas' own report) on sm_80 and sm_90. TPUs: the
     kernels' scoped VMEM is read back."""
-    for case in build.kernel_cases(full=False):
-        r = build.compile_kernel(target, case)
+    for case in kernel_cases(full=False):
+        r = compile_kernel(target, case)
         assert r.ok, f"{r.name} on {target}: {r.error}"
         if TARGETS[target].platform == "cuda":
             name = "akv_segment_attention" if case.kernel == "attention" else "akv_repos"
@@ -55,12 +58,12 @@ def test_ci_set_compiles_on_every_target(target):
 def test_papers_setup_compiles_and_fits_on_a800():
     """GPT-OSS-120B, bf16, TP4 decode step on four A800s (auto backend: the Triton kernel),
     with room for a KV pool beside it."""
-    (case,) = build.step_cases(full=False)
-    r = build.compile_step("A800", case)
+    (case,) = step_cases(full=False)
+    r = compile_step("A800", case)
     assert r.ok, r.error
     assert r.kernels["akv_segment_attention"]["spill_stores"] == 0
     assert 60e9 < r.memory["argument"] < 62e9  # a quarter of the weights, plus the pool
-    assert build.kv_pool_tokens(r, TARGETS["A800"].memory_bytes) > 500_000
+    assert kv_pool_tokens(r, TARGETS["A800"].memory_bytes) > 500_000
 
 
 def test_split_k_follows_the_target_sm_count():
@@ -75,8 +78,8 @@ def test_split_k_follows_the_target_sm_count():
 def test_an_oversized_block_fails_the_tpu_compile():
     """A 2,048-row query block of Qwen3-8B's layout (8,192-row tile x 8 kv heads of float32
     accumulators) needs more VMEM than a v5e has: the compile fails, and so does CI."""
-    r = build.compile_kernel(
-        "TPU v5e", build.KernelCase("attention", "Qwen3-8B", "prefill", "f32"),
+    r = compile_kernel(
+        "TPU v5e", KernelCase("attention", "Qwen3-8B", "prefill", "f32"),
         block_q=2048, max_tile_rows=1 << 16,
     )
     assert not r.ok
@@ -87,7 +90,7 @@ def test_auto_backend_compiles_the_mosaic_kernel_into_the_tpu_step():
     """``--attention-backend auto`` in the server's own step on a TPU: the Mosaic kernel (on a
     GPU the Triton one: the A800 test above; on the CPU the chunked jnp path:
     tests/test_pallas_attention.py)."""
-    r = build.compile_step("TPU v5e", build.StepCase("SmolLM2-135M", 1, "decode", 1024))
+    r = compile_step("TPU v5e", StepCase("SmolLM2-135M", 1, "decode", 1024))
     assert r.ok, r.error
     assert "akv_segment_attention" in r.vmem
 
@@ -107,15 +110,15 @@ def test_rerotated_copies_compile_tensor_parallel_on_tpu():
     from akv_jax.pallas.dispatch import make_repos_fn
     from akv_jax.serving.device_group import KV_AXES, rerotate_copy_pool
 
-    cfg = build.preset_config("Qwen3-8B")
-    devs = build.topology_devices("TPU v5e")
+    cfg = preset_config("Qwen3-8B")
+    devs = topology_devices("TPU v5e")
     mesh = make_mesh(4, list(devs))
     rep = NamedSharding(mesh, PartitionSpec())
     shape = (cfg.num_layers, 256, 16, cfg.num_kv_heads, cfg.head_dim)
     sh = NamedSharding(mesh, logical_to_spec(KV_AXES, shape, mesh))
     pool = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)
     idx = jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rep)
-    rope = jax.tree.map(lambda x: build._sds(x, rep), rope_table_for(cfg, 8192))
+    rope = jax.tree.map(lambda x: shape_struct(x, rep), rope_table_for(cfg, 8192))
     repos = make_repos_fn("auto", platform="tpu")
     with jax.default_device(devs[0]):
         rerotate_copy_pool.lower(KVPool(pool, pool), idx, idx, idx, idx, rope, repos,
