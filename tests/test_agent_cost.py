@@ -20,7 +20,8 @@ from akv_jax.agent.policies import RollingDrop, Summarize
 from akv_jax.agent.trajectory import TrajectorySpec, make_trajectory
 from akv_jax.cache.ops import parse_history
 from akv_jax.serving.page_pool import PagePool
-from akv_jax.serving.radix import RadixTree, request_keys
+from akv_jax.serving.radix import RadixTree
+from akv_jax.serving.radix_keys import request_keys
 
 
 def test_rates_are_the_papers():

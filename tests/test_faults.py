@@ -130,7 +130,7 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
     leaving the most state behind to clean up."""
 
     def after(name: str, when=lambda r: True):
-        owner = eng if name.startswith("_") else eng.planner
+        owner = {"take_slice": eng.scheduler, "emit": eng.tokens}.get(name, eng.planner)
         real = getattr(owner, name)
 
         def wrapped(r, *args):
@@ -141,21 +141,21 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
 
         setattr(owner, name, wrapped)
 
-    if stage in ("build_path", "choose_compute", "lay_out", "_take_slice"):
+    if stage in ("build_path", "choose_compute", "lay_out", "take_slice"):
         after(stage)
     elif stage == "decode_pass":
         after(stage, lambda r: len(r.generated) == 2)  # it holds a fresh generation page
-    elif stage == "_emit":  # every generated token, sampled on the host or greedy
+    elif stage == "emit":  # every generated token, sampled on the host or greedy
         after(stage, lambda r: len(r.generated) == 3)  # mid-generation, not finishing
-    elif stage == "_finish":
-        real = eng._finish
+    elif stage == "finish":
+        real = eng.tokens.finish
 
         def finish(r, reason):
             if r.rid == "v":
-                raise KeyError(f"{BOOM} in _finish")
+                raise KeyError(f"{BOOM} in finish")
             return real(r, reason)
 
-        eng._finish = finish
+        eng.tokens.finish = finish
     else:  # a forward: "prefill", "decode", or "decode-async" (fails when read)
         real_run = eng.executor.run
         kind = stage.split("-")[0]
@@ -173,8 +173,8 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
         eng.executor.run = run
 
 
-STAGES = ["build_path", "choose_compute", "lay_out", "_take_slice", "decode_pass",
-          "_emit", "_finish", "prefill", "decode", "decode-async"]
+STAGES = ["build_path", "choose_compute", "lay_out", "take_slice", "decode_pass",
+          "emit", "finish", "prefill", "decode", "decode-async"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -203,9 +203,10 @@ def test_a_fault_fails_only_the_requests_it_touches(tiny, solo, stage):
         assert not held & set(VICTIM_TOKENS)
     # What the fault left in the cache is exact: every request again (reusing it), now
     # without the fault, then a flush frees every page.
-    for owner in (eng, eng.planner, eng.executor):
-        for name in ("build_path", "choose_compute", "lay_out", "_take_slice", "decode_pass",
-                     "_emit", "_finish", "run"):
+    eng.tokens.finish = eng.finish
+    for owner in (eng.scheduler, eng.tokens, eng.planner, eng.executor):
+        for name in ("build_path", "choose_compute", "lay_out", "take_slice", "decode_pass",
+                     "emit", "run"):
             vars(owner).pop(name, None)  # the class's method again
     again = _drive(eng, staged=False)
     for rid, evs in again.items():
@@ -443,12 +444,12 @@ MH_ARGS = ("--model-path", "tiny", "--max-total-tokens", "4096", "--page-size", 
 PROG_ERROR = "python -m akv_jax.serving.main: error: "
 AFTER_FORWARD, BEFORE_FORWARD = 497, 498  # first prompt tokens that trip the leader's faults
 # The leader's launcher: faults on process 0 only, for requests starting with a magic token.
-# After the forward (_prefill_done) the followers can drop the request too; before it
+# After the forward (Scheduler.prefill_done) the followers can drop the request too; before it
 # (Planner.decode_pass) the processes would run different forwards.
 LEADER_FAULTS = f"""
 import sys, jax
-from akv_jax.serving.engine import Engine
 from akv_jax.serving.planner import Planner
+from akv_jax.serving.scheduling import Scheduler
 
 def fault(cls, name, magic):
     real = getattr(cls, name)
@@ -460,7 +461,7 @@ def fault(cls, name, magic):
 
     setattr(cls, name, patched)
 
-fault(Engine, "_prefill_done", {AFTER_FORWARD})
+fault(Scheduler, "prefill_done", {AFTER_FORWARD})
 fault(Planner, "decode_pass", {BEFORE_FORWARD})
 from akv_jax.serving.main import main
 sys.exit(main(sys.argv[1:]))

@@ -5,7 +5,7 @@ of the recorded length. A request's ``cached_tokens`` is the longest prefix, in 
 ops (DESIGN.md §2: sharing needs a common prefix of both), that it shares with an earlier
 request of the same trajectory followed by that request's output, i.e. what a server that never
 evicts would report (page rounding ignored). Prefixes are compared on the server's own radix
-keys (:func:`akv_jax.serving.radix.request_keys`), and an answer is cached as the server caches
+keys (:func:`akv_jax.serving.radix_keys.request_keys`), and an answer is cached as the server caches
 it: every generated token but the last (which is sampled, never fed back, so has no KV). This
 isolates the policies' cost from server capacity and timing: the measured replay reports the
 same quantities from the server.
@@ -20,7 +20,7 @@ from akv_jax.agent.messages import Message, Request, synthetic_tokens
 from akv_jax.agent.policies import Policy
 from akv_jax.agent.trajectory import Trajectory
 from akv_jax.cache.ops import parse_history
-from akv_jax.serving.radix import Key, request_keys
+from akv_jax.serving.radix_keys import Key, request_keys
 
 
 def request_key(req: Request) -> list[Key]:

@@ -20,7 +20,8 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from akv_jax.serving.page_pool import PagePool
-from akv_jax.serving.radix import Key, Node, RadixTree, RequestKeys
+from akv_jax.serving.radix import Node, RadixTree
+from akv_jax.serving.radix_keys import Key, RequestKeys
 
 
 class PageMover(Protocol):

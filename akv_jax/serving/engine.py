@@ -4,7 +4,7 @@ one decode forward per step over every request's work, and samples.
 Request life cycle:
 
 1. ``add_request`` validates and queues. The request's history is flattened into radix keys
-   (tokens and op items, ``radix.request_keys``) and its :class:`Timeline` says, for every
+   (tokens and op items, ``radix_keys.request_keys``) and its :class:`Timeline` says, for every
    token, its positions in every version and which segments see it.
 2. Prefill, planned as **one pass** per request (``planner.py``). The pass runs in slices
    of at most ``prefill_chunk`` rows over consecutive steps (chunked prefill), so a long
@@ -27,10 +27,9 @@ so dead KV that only earlier rows read is freed as soon as they have run.
 Who does what: ``cache_manager.py`` owns the radix tree and the page pool; ``planner.py``
 decides what a request computes and lays out its rows; ``executor.py`` packs passes into
 bucketed device arrays and runs the forwards; ``sampler.py`` picks tokens;
-``admission.py`` checks a request before it queues. This module holds the queues and the
-request life cycle, all host-side bookkeeping. (It is a little over 400 lines because every
-way a request ends, normally or by a fault in any stage, is stated here beside the stage;
-split apart, the release rules would be scattered over modules.)
+``token_rules.py`` says what a sampled token does to its request; ``admission.py`` checks a
+request before it queues. This module holds the queues and the request life cycle: every
+way a request ends, normally or by a fault in any stage, is stated here beside the stage.
 """
 
 from __future__ import annotations
@@ -44,24 +43,24 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from akv_jax.cache.ops import OpHistory
-from akv_jax.cache.timeline import Timeline, timeline
+from akv_jax.cache.timeline import Timeline
 from akv_jax.serving.admission import check_request
 from akv_jax.serving.cache_manager import CacheManager
 from akv_jax.serving.constrained_rows import MaskedGreedy
 from akv_jax.serving.executor import Executor
 from akv_jax.serving.multihost import MultihostError, digest, is_peer_loss, peer_failure
 from akv_jax.serving.planner import Planner, PoolTooSmall
-from akv_jax.serving.radix import RequestKeys
-from akv_jax.serving.sampler import invalid_param, log_softmax, make_rng, sample
+from akv_jax.serving.radix_keys import RequestKeys
+from akv_jax.serving.sampler import invalid_param, make_rng
+from akv_jax.serving.scheduling import Scheduler
+from akv_jax.serving.token_rules import TokenRules, request_meta
 from akv_jax.serving.types import GenerateRequest, TokenEvent, describe_error
-from akv_jax.serving.work import Pass, RequestState
+from akv_jax.serving.work import RequestState, Work
 
 log = logging.getLogger("akv_jax.serving")
 
 __all__ = ["Engine", "PoolTooSmall"]
 
-Work = list[tuple[RequestState, Pass]]
 
 
 class Engine:
@@ -94,7 +93,7 @@ class Engine:
         its grammar allows)."""
         self.cfg = model.cfg
         tok = getattr(model, "tokenizer", None)
-        self.eos_ids = set(model.cfg.eos_token_ids) | set(getattr(tok, "eos_ids", ()) or ())
+        eos_ids = set(model.cfg.eos_token_ids) | set(getattr(tok, "eos_ids", ()) or ())
         self.page_size = page_size
         self.num_pages = max(2, -(-max_total_tokens // page_size))
         if host_kv_tokens is None:
@@ -115,7 +114,7 @@ class Engine:
         self.backend = attention_backend
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
-        self.jump_forward = jump_forward
+        self.tokens = TokenRules(eos_ids, jump_forward, self.finish)
         # Multi-host: called once per step, before any forward, with a digest of what this
         # process is about to run; raises if the processes disagree (see multihost.py).
         self.replica_check: Callable[[int, bytes], None] | None = None
@@ -135,7 +134,8 @@ class Engine:
             admission_waits=0,  # steps in which the head of the queue could not be planned
             admission_wait_seconds=0.0,  # queueing time of admitted requests, summed
         )
-        self._step_id = 0
+        self.step_id = 0
+        self.scheduler = Scheduler(self)
 
     # ------------------------------------------------------------------ admission
     def check(self, req: GenerateRequest) -> Timeline:
@@ -176,9 +176,9 @@ class Engine:
         if self.prefilling.get(r.rid) is r:
             del self.prefilling[r.rid]
             # Part of its KV is unwritten: back to evicted before anyone may match it.
-            self.cache.unwrite(self._written_by(r))
+            self.cache.unwrite(self.scheduler.written_by(r))
         if r.gen_pages or r.last_node is not None:
-            self._release(r, insert=False)
+            self.release(r, insert=False)
         r.status = "done"
 
     def fail(self, rid: str, message: str) -> TokenEvent | None:
@@ -187,15 +187,15 @@ class Engine:
         Multi-host followers apply this when the leader reports a request it failed."""
         r = self.running.get(rid) or self.prefilling.get(rid)
         r = r or next((q for q in self.waiting if q.rid == rid), None)
-        return None if r is None else self._fail(r, message)
+        return None if r is None else self.fail_request(r, message)
 
-    def _fail(self, r: RequestState, message: str, kv_unwritten: bool = False) -> TokenEvent:
+    def fail_request(self, r: RequestState, message: str, kv_unwritten: bool = False) -> TokenEvent:
         """End ``r`` with an error event, releasing what it holds as an abort does.
 
         ``kv_unwritten``: the forward that was to write its prefill did not run, so every
         node its pass computes (written_pages) goes back to evicted, last slice included
-        (``_take_slice`` has already published those nodes as written)."""
-        meta = dict(self._meta(r), completion_tokens=len(r.generated), finish_reason="error")
+        (``Scheduler.take_slice`` has already published those nodes as written)."""
+        meta = dict(request_meta(r), completion_tokens=len(r.generated), finish_reason="error")
         if kv_unwritten and r.prefill is not None and r.last_node is not None:
             mine = set(r.prefill.written_pages)
             self.cache.unwrite([n for n in self.cache.path_to(r.last_node)
@@ -204,11 +204,11 @@ class Engine:
         self.counters["requests_failed"] += 1
         return TokenEvent(r.rid, -1, None, True, "error", meta, error=message)
 
-    def _failed(self, r: RequestState, e: Exception, where: str, kv_unwritten: bool = False):
+    def fail_on_error(self, r: RequestState, e: Exception, where: str, kv_unwritten: bool = False):
         """``_fail`` for an exception raised by ``r``'s own work; the traceback goes to the
         log, a one-line message to the client."""
         log.error("request %s failed in %s", r.rid, where, exc_info=e)
-        return self._fail(r, f"engine error ({where}): {describe_error(e)}", kv_unwritten)
+        return self.fail_request(r, f"engine error ({where}): {describe_error(e)}", kv_unwritten)
 
     def reset(self, message: str) -> list[TokenEvent]:
         """Fail every request and start over from an empty cache (a fresh pool and tree).
@@ -253,120 +253,18 @@ class Engine:
         prefill slice or decode row, sampling or finishing it) fails that request only: it
         ends with an error event, its pages and locks are released, and the step goes on
         for the others. A forward that raises fails the requests whose rows it carries."""
-        self._step_id += 1
+        self.step_id += 1
         self.cache.new_step()
         events: list[TokenEvent] = []
-        slices, budget = self._continue_prefills(events)
-        self._admit(slices, budget, events)
-        decode_pass = self._decode_rows(bool(slices), events)
+        slices, budget = self.scheduler.continue_prefills(events)
+        self.scheduler.admit(slices, budget, events)
+        decode_pass = self.scheduler.decode_rows(bool(slices), events)
         if self.replica_check is not None:
             # Multi-host: every process must run the same forwards on the same state.
-            self.replica_check(self._step_id, self._digest(slices, decode_pass))
+            self.replica_check(self.step_id, self._digest(slices, decode_pass))
         if slices or decode_pass:
             events.extend(self._run(slices, decode_pass))
         return events
-
-    def _continue_prefills(self, events: list[TokenEvent]) -> tuple[Work, int]:
-        """The next slices of passes already under way, oldest first, within
-        ``prefill_chunk`` rows; returns them and the rows left for new admissions."""
-        slices: Work = []
-        budget = self.prefill_chunk
-        for r in list(self.prefilling.values()):
-            try:
-                # What its remaining rows read stays pinned until they have run: dead KV
-                # they still read must not be evicted by this step's allocations; dead KV
-                # only earlier slices read may go.
-                self.cache.pin(self._still_read(r))
-                if budget > 0:
-                    budget -= self._take_slice(r, budget, slices)
-            except Exception as e:
-                slices[:] = [(q, sl) for q, sl in slices if q is not r]
-                events.append(self._failed(r, e, "prefill", kv_unwritten=True))
-        return slices, budget
-
-    def _admit(self, slices: Work, budget: int, events: list[TokenEvent]) -> None:
-        """Plan waiting requests in arrival order while rows and running slots last; each
-        admitted request's first slice joins ``slices``."""
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) + len(self.prefilling) < self.max_running
-        ):
-            r = self.waiting[0]
-            cached = r.cached_tokens
-            try:
-                # Undone in the cache if it raises.
-                p = self.planner.plan(r, self._step_id, self._keep_used_after(r))
-            except Exception as e:
-                if isinstance(e, PoolTooSmall):  # a clear answer, not a fault: nothing to log
-                    events.append(self._fail(r, str(e)))
-                else:
-                    events.append(self._failed(r, e, "planning"))
-                continue
-            c = self.counters
-            if p is None:
-                c["admission_waits"] += 1
-                break
-            self.waiting.popleft()
-            r.prefill, r.prefill_done, r.status = p, 0, "prefill"
-            self.prefilling[r.rid] = r
-            c["admission_wait_seconds"] += time.monotonic() - r.waiting_since
-            if r.resumed:  # its usage figures are its first admission's
-                r.cached_tokens = cached
-                c["resumes"] += 1
-            else:
-                c["cache_queries"] += 1
-                c["cache_query_tokens"] += r.tl.num_tokens
-                c["cache_hit_tokens"] += r.cached_tokens
-            if p.restored_tokens:
-                c["restores"] += 1
-                c["restored_tokens"] += p.restored_tokens
-            try:
-                budget -= self._take_slice(r, budget, slices)
-            except Exception as e:
-                slices[:] = [(q, sl) for q, sl in slices if q is not r]
-                events.append(self._failed(r, e, "prefill", kv_unwritten=True))
-
-    def _keep_used_after(self, r: RequestState) -> float | None:
-        """Admission's protection for ``r``'s plan (see the module docstring): None when
-        nobody else runs (waiting would free nothing) or ``r`` has waited its bound."""
-        now = time.monotonic()
-        if not (self.running or self.prefilling):
-            return None
-        if now - r.waiting_since >= self.admission_max_wait_s:
-            return None
-        return now - self.admission_window_s
-
-    def _decode_rows(self, prefilling: bool, events: list[TokenEvent]) -> Work:
-        """One row per decoding request that has a page for its next token, oldest first;
-        when one finds none, the youngest still without a row is preempted until it does."""
-        work: Work = []
-        stalled: list[RequestState] = []
-        queue = deque(sorted((r for r in self.running.values() if r.status == "decode"),
-                             key=lambda q: q.arrival))
-        while queue:
-            r = queue.popleft()
-            try:
-                dp = self.planner.decode_pass(r)
-                while dp is None and queue:
-                    self._preempt(queue.pop())
-                    dp = self.planner.decode_pass(r)
-            except Exception as e:
-                events.append(self._failed(r, e, "decode"))
-                continue
-            if dp is None:  # nobody younger to preempt: it waits for older ones to finish
-                stalled.append(r)
-                continue
-            work.append((r, dp))
-        if stalled and not work and not prefilling:
-            # Nobody else can free pages: fail the youngest stalled request (its pages go back
-            # to the pool) so that the others can go on; never end one silently short.
-            r = max(stalled, key=lambda q: q.arrival)
-            events.append(self._fail(r, (
-                f"the KV pool ({self.num_pages} pages) is full: {len(stalled)} decoding "
-                "requests hold every page; raise --max-total-tokens"
-            )))
-        return work
 
     def _run(self, slices: Work, decode_pass: Work) -> list[TokenEvent]:
         """Run this step's forwards and sample from their logits.
@@ -422,24 +320,24 @@ class Engine:
             for i, r in enumerate(with_logits):
                 try:
                     if r.status == "prefill":
-                        self._prefill_done(r)
+                        self.scheduler.prefill_done(r)
                         if r.resumed:  # its next token was sampled before it was preempted
                             r.resumed = False
                             continue
                     sp = r.req.sampling
                     greedy_ok = sp.temperature == 0 and oks[i] and invalid_param(sp) is None
                     if r.req.constraint is not None:
-                        events.extend(self._sample_constrained(
+                        events.extend(self.tokens.sample_constrained(
                             r, masks[r.rid], int(toks[i]) if greedy_ok else -1, float(lps[i]),
                             m.result(r.rid) if greedy_ok else None,
                             lambda i=i, out=out: np.asarray(out.logits[i]),
                         ))
                     elif greedy_ok:
-                        events.extend(self._emit(r, int(toks[i]), float(lps[i])))
+                        events.extend(self.tokens.emit(r, int(toks[i]), float(lps[i])))
                     else:
-                        events.extend(self._sample(r, np.asarray(out.logits[i])))
+                        events.extend(self.tokens.sample(r, np.asarray(out.logits[i])))
                 except Exception as e:
-                    events.append(self._failed(r, e, "sampling"))
+                    events.append(self.fail_on_error(r, e, "sampling"))
         return events
 
     def _forward_failed(self, work: Work, e: Exception, what: str) -> list[TokenEvent]:
@@ -452,7 +350,7 @@ class Engine:
             raise MultihostError(f"the {what} forward failed: {describe_error(e)}") from e
         log.error("the %s forward failed; failing its %d requests", what, len(work), exc_info=e)
         msg = f"engine error ({what} forward): {describe_error(e)}"
-        return [self._fail(r, msg, kv_unwritten=True) for r, _ in work]
+        return [self.fail_request(r, msg, kv_unwritten=True) for r, _ in work]
 
     def _digest(self, slices: Work, decode_pass: Work) -> bytes:
         """What this step runs and the state it runs on, hashed (the same on every process
@@ -467,153 +365,16 @@ class Engine:
         )
         return digest(state)
 
-    def _take_slice(self, r: RequestState, budget: int, slices: Work) -> int:
-        """Queue the next slice (at most ``budget`` rows) of ``r``'s pass; rows taken."""
-        p, a = r.prefill, r.prefill_done
-        b = min(len(p.tokens), a + budget)
-        slices.append((r, p.slice(a, b)))
-        r.prefill_done = b
-        if b == len(p.tokens):
-            # The last slice holds the logits row (the last row: the last token node's last
-            # token), which is how step() sees the prefill end.
-            assert p.logits_row >= a
-            # Its nodes are written by the end of this step's forward: from the next step on
-            # other requests may read them (this step's plans must still wait).
-            self.cache.mark_written(self._written_by(r), self._step_id)
-        return b - a
-
-    def _still_read(self, r: RequestState) -> list:
-        """Nodes of ``r``'s path with a page that a row of its pass not yet run sees or
-        writes (a segment also lists the pages of dropped KV, every slot invisible: they
-        stand in for what it does not read, as the page-0 stand-ins of emptied nodes do)."""
-        p, done, ps = r.prefill, r.prefill_done, self.page_size
-        pages: set[int] = set()
-        for s in p.segments:
-            if s.q_start + s.q_len > done:
-                vis = np.zeros(len(s.pages) * ps, bool)
-                vis[: len(s.kv_visible)] = s.kv_visible
-                seen = vis.reshape(-1, ps).any(1)
-                pages.update(pg for pg, v in zip(s.pages, seen, strict=True) if v)
-        return [n for n in self.cache.path_to(r.last_node)
-                if n.pages and not pages.isdisjoint(n.pages)]
-
-    def _written_by(self, r: RequestState):
-        return self.cache.written_by(self.cache.path_to(r.last_node), r.rid)
-
-    def _prefill_done(self, r: RequestState) -> None:
-        del self.prefilling[r.rid]
-        r.prefill = None
-        r.status = "decode"
-        self.running[r.rid] = r
-
-    def _preempt(self, r: RequestState) -> None:
-        """Swap decoding request ``r`` out (see the module docstring): its fed tokens' KV
-        enters the cache as the last segment of its continuation request, which waits at
-        the head of the queue; its sampler state and generated tokens stay with it."""
-        del self.running[r.rid]
-        fed = r.generated[r.gen_base : len(r.generated) - r.unfed]
-        self._release(r, insert=True)
-        if fed:
-            req, h = r.req, r.req.history
-            segments = [*req.segments, list(fed)]
-            history = OpHistory(len(segments), h.drops, h.repos)
-            r.req = dataclasses.replace(req, segments=segments, history=history, prepared=None)
-            r.tl = timeline([len(x) for x in segments], history)
-            r.keys = RequestKeys.of(segments, history)
-        r.gen_base = len(r.generated) - r.unfed
-        r.resumed = True
-        r.status = "waiting"
-        r.waiting_since = time.monotonic()
-        r.preemptions += 1
-        self.counters["preemptions"] += 1
-        self.waiting.appendleft(r)
-
     # ------------------------------------------------------------------ sampling
-    def _sample(self, r: RequestState, logits: np.ndarray) -> list[TokenEvent]:
-        """Sample ``r``'s next token (math in sampler.py) and decide whether it finishes."""
-        tok, logprob = sample(logits, r.req.sampling, r.rng)
-        return self._emit(r, tok, logprob)
-
-    def _sample_constrained(
-        self, r: RequestState, allowed: np.ndarray, greedy: int, greedy_lp: float,
-        masked: tuple[int, float] | None, row: Callable[[], np.ndarray],
-    ) -> list[TokenEvent]:
-        """Sample under ``r``'s grammar: the logits row with every id the grammar forbids at
-        ``-inf``, so an allowed token has the chance the free request would give it among
-        the allowed ones. A greedy token the grammar allows is the masked row's greedy token
-        too (same first-index tie rule); otherwise a greedy row's ``masked`` result, from
-        the device, is (so neither row leaves the device)."""
-        if 0 <= greedy < allowed.size and allowed[greedy]:
-            tok, logprob = greedy, greedy_lp
-        elif masked is not None and 0 <= masked[0] < allowed.size and allowed[masked[0]]:
-            tok, logprob = masked
-        else:
-            logits = row()
-            width = min(allowed.size, logits.size)
-            masked = np.full(logits.shape, -np.inf)
-            masked[:width] = np.where(allowed[:width], logits[:width], -np.inf)
-            tok, _ = sample(masked, r.req.sampling, r.rng)
-            logprob = float(log_softmax(logits)[tok])  # the model's own, as for free rows
-        r.req.constraint.advance(tok)
-        return self._emit(r, tok, logprob)
-
-    def _emit(self, r: RequestState, tok: int, logprob: float) -> list[TokenEvent]:
-        """``r`` generated ``tok`` (sampled on the host, or greedy from the step's summary,
-        which is the same token: the first index of the largest logit), which its pass's
-        forward makes the only unfed token. Then the tokens its grammar forces, if any, are
-        appended without a decode step each (jump-forward): the next decode pass feeds them
-        all at once. A forced token has no log-probability (no logits were computed for it)."""
-        r.unfed = 0
-        events = self._append(r, tok, logprob)
-        c = r.req.constraint
-        while c is not None and self.jump_forward and not events[-1].finished:
-            forced = c.forced()
-            if not forced:
-                break
-            for f in forced:
-                c.advance(f)
-                events.extend(self._append(r, f, float("nan")))
-                if events[-1].finished:
-                    break
-        return events
-
-    def _append(self, r: RequestState, tok: int, logprob: float) -> list[TokenEvent]:
-        sp = r.req.sampling
-        r.generated.append(tok)
-        r.unfed += 1
-        lp = logprob if r.req.return_logprob else None
-        reason = None
-        if not sp.ignore_eos and tok in self.eos_ids:
-            reason = "stop"
-        elif tok in sp.stop_token_ids:
-            reason = "stop"
-        elif r.req.constraint is not None and r.req.constraint.finished:
-            reason = "stop"  # the grammar is complete: nothing more may follow
-        elif len(r.generated) >= sp.max_new_tokens:
-            reason = "length"
-        if reason is None:
-            meta = self._meta(r) if len(r.generated) == 1 else {}
-            return [TokenEvent(r.rid, tok, lp, False, None, meta)]
-        ev = self._finish(r, reason)
-        ev.token_id, ev.logprob = tok, lp
-        return [ev]
-
-    @staticmethod
-    def _meta(r: RequestState) -> dict:
-        return dict(
-            prompt_tokens=r.prompt_tokens,
-            cached_tokens=r.cached_tokens,
-            active_tokens=int(r.tl.final_active.sum()) + len(r.generated) - r.gen_base,
-        )
-
-    def _finish(self, r: RequestState, reason: str) -> TokenEvent:
+    def finish(self, r: RequestState, reason: str) -> TokenEvent:
+        """End ``r`` normally: its generated KV joins the cache; its last event."""
         self.running.pop(r.rid, None)
-        meta = dict(self._meta(r), completion_tokens=len(r.generated), finish_reason=reason)
-        self._release(r, insert=True)
+        meta = dict(request_meta(r), completion_tokens=len(r.generated), finish_reason=reason)
+        self.release(r, insert=True)
         self.counters["requests_finished"] += 1
         return TokenEvent(r.rid, -1, None, True, reason, meta)
 
-    def _release(self, r: RequestState, insert: bool) -> None:
+    def release(self, r: RequestState, insert: bool) -> None:
         """Hand generated KV to the cache (the next turn reuses it) and unlock the path."""
         fed = r.generated[r.gen_base : len(r.generated) - r.unfed]  # the rest has no KV
         pages = r.gen_pages

@@ -18,7 +18,8 @@ import numpy as np
 from akv_jax.cache.timeline import Timeline
 from akv_jax.pallas.metadata import SegmentSpec, pages_with_a_slot
 from akv_jax.serving.cache_manager import CacheManager
-from akv_jax.serving.radix import Node, Op
+from akv_jax.serving.radix import Node
+from akv_jax.serving.radix_keys import Op
 from akv_jax.serving.work import Pass, RequestState
 
 

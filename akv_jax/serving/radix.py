@@ -1,9 +1,8 @@
 """Op-aware radix tree over token ids *and* cache operations.
 
-A request's key is its history flattened into items: token ids (ints) interleaved with op
-items, ``("drop", ((start, end), ...))`` naming absolute token ranges and ``("repos",)``.
-Two requests share a node only on a common prefix of tokens **and** ops, which is exactly
-when they have the same cache state there (DESIGN.md §2).
+A request's key (radix_keys.py) is its history flattened into token ids and op items. Two
+requests share a node only on a common prefix of tokens **and** ops, which is exactly when
+they have the same cache state there (DESIGN.md §2).
 
 Nodes:
 * token nodes: a run of token ids and the pages holding their K/V, as computed at their
@@ -30,106 +29,18 @@ writes its KV, not when a request merely passes over it.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
 
 import numpy as np
 
-from akv_jax.cache.ops import OpHistory
+from akv_jax.serving import token_ranges
 from akv_jax.serving.page_pool import PagePool
-
-Key = Any  # int token id, or an op tuple
-Ranges = list[tuple[int, int]]  # sorted, disjoint half-open token ranges
-
-_ALL: Ranges = [(0, 1 << 62)]
+from akv_jax.serving.radix_keys import Key, Op, RequestKeys
+from akv_jax.serving.token_ranges import Ranges
 
 _ids = itertools.count()
-
-
-class Run(NamedTuple):
-    """Tokens ``start:end`` of a request (absolute indices), with no op item between them."""
-
-    start: int
-    end: int
-
-
-class Op(NamedTuple):
-    """An op item and the boundary (segment index) it follows."""
-
-    item: Key
-    boundary: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestKeys:
-    """A request's radix keys, with no Python object per token: its tokens as one array and
-    its parts in order, token runs (adjacent segments merged: a stored run may span them)
-    and op items. Matching compares runs against stored runs as arrays, so a turn that
-    resends a long history costs array compares, not a loop over its tokens."""
-
-    tokens: np.ndarray  # [T] int32
-    parts: tuple[Run | Op, ...]
-
-    @staticmethod
-    def of(segments: Sequence[Sequence[int]], history: OpHistory) -> RequestKeys:
-        """The keys of ``segments`` under ``history`` (the one statement of how a history
-        becomes keys): after segment s, its drops (one item naming the absolute token
-        ranges it drops, so two requests share it only when they drop the same tokens),
-        then its repos."""
-        arrays = [np.asarray(s, np.int32) for s in segments]
-        tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-        starts = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).tolist()
-        parts: list[Run | Op] = []
-        run_start = 0
-        for s in range(len(arrays)):
-            ops: list[Key] = []
-            if history.drops_at(s):
-                ops.append(("drop", tuple((starts[i], starts[i + 1])
-                                          for i in history.drops_at(s))))
-            if history.repos_at(s):
-                ops.append(("repos",))
-            if ops or s == len(arrays) - 1:
-                if starts[s + 1] > run_start:
-                    parts.append(Run(run_start, starts[s + 1]))
-                run_start = starts[s + 1]
-                parts.extend(Op(op, s) for op in ops)
-        return RequestKeys(tokens, tuple(parts))
-
-    @staticmethod
-    def from_flat(keys: Sequence[Key]) -> RequestKeys:
-        """Keys given as a flat list (token ids and op items; tests, offline estimates)."""
-        tokens: list[int] = []
-        parts: list[Run | Op] = []
-        run_start = 0
-        for k in keys:
-            if isinstance(k, (int, np.integer)):
-                tokens.append(int(k))
-                continue
-            if len(tokens) > run_start:
-                parts.append(Run(run_start, len(tokens)))
-            run_start = len(tokens)
-            parts.append(Op(k, -1))
-        if len(tokens) > run_start:
-            parts.append(Run(run_start, len(tokens)))
-        return RequestKeys(np.asarray(tokens, np.int32), tuple(parts))
-
-    def flat(self) -> list[Key]:
-        """The keys as one list: token ids (ints) interleaved with op items."""
-        out: list[Key] = []
-        for part in self.parts:
-            if isinstance(part, Run):
-                out.extend(self.tokens[part.start : part.end].tolist())
-            else:
-                out.append(part.item)
-        return out
-
-
-def request_keys(segments: Sequence[Sequence[int]], history: OpHistory) -> list[Key]:
-    """Radix keys of a request as one flat list (see :class:`RequestKeys`)."""
-    return RequestKeys.of(segments, history).flat()
 
 
 class Node:
@@ -252,7 +163,7 @@ class Node:
             if self.kind == "tokens":
                 self._held_ranges = [(self.tok_start, self.tok_start + len(self.key))]
             else:
-                self._held_ranges = _to_ranges(self.held_tokens)
+                self._held_ranges = token_ranges.ranges_of_ids(self.held_tokens)
         return self._held_ranges
 
     def __repr__(self) -> str:
@@ -422,14 +333,16 @@ class RadixTree:
             for group in n.children.values():
                 for c in group:
                     if c.kind == "repos":
-                        through = _ALL
+                        through = token_ranges.ALL
                     elif c.kind == "drop":
-                        through = _union(_to_ranges_pairs(c.key[0][1]), covered[c.id])
+                        dropped = token_ranges.ranges_of_pairs(c.key[0][1])
+                        through = token_ranges.union(dropped, covered[c.id])
                     else:
                         through = covered[c.id]
-                    below = through if below is None else _intersect(below, through)
+                    below = through if below is None else token_ranges.intersect(below, through)
             covered[n.id] = [] if n.ends else below or []
-            if n.kind in ("tokens", "repos") and _contains(covered[n.id], n.held_ranges()):
+            holds_kv = n.kind in ("tokens", "repos")
+            if holds_kv and token_ranges.contains(covered[n.id], n.held_ranges()):
                 dead.add(n.id)
         self._dead_cache = (self._shape_version, dead)
         return dead
@@ -496,55 +409,8 @@ class RadixTree:
 def _common_prefix(a: np.ndarray, toks: np.ndarray, start: int, end: int) -> int:
     """Length of the common prefix of ``a`` and ``toks[start:end]``."""
     m = min(len(a), end - start)
-    eq = a[:m] == toks[start : start + m]
-    return m if eq.all() else int(eq.argmin())
-
-
-def _to_ranges(ids: Sequence[int]) -> Ranges:
-    """Sorted distinct ids -> ranges."""
-    out: Ranges = []
-    for t in ids:
-        if out and out[-1][1] == t:
-            out[-1] = (out[-1][0], t + 1)
-        else:
-            out.append((t, t + 1))
-    return out
-
-
-def _to_ranges_pairs(pairs: Sequence[tuple[int, int]]) -> Ranges:
-    return _union([], [(int(a), int(b)) for a, b in pairs if b > a])
-
-
-def _union(a: Ranges, b: Ranges) -> Ranges:
-    out: Ranges = []
-    for lo, hi in sorted(a + b):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
-
-
-def _intersect(a: Ranges, b: Ranges) -> Ranges:
-    out: Ranges = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if lo < hi:
-            out.append((lo, hi))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def _contains(outer: Ranges, inner: Ranges) -> bool:
-    """Every range of ``inner`` lies inside one range of ``outer`` (both normalised)."""
-    j = 0
-    for lo, hi in inner:
-        while j < len(outer) and outer[j][1] < hi:
-            j += 1
-        if j == len(outer) or outer[j][0] > lo:
-            return False
-    return True
+    # Equal bytes first: a resent history matches whole, and one memcmp beats numpy's
+    # elementwise compare and reduction on runs of a message's length.
+    if a[:m].tobytes() == toks[start : start + m].tobytes():
+        return m
+    return int((a[:m] == toks[start : start + m]).argmin())

@@ -14,7 +14,8 @@ import numpy as np
 
 from akv_jax.cache.timeline import Timeline
 from akv_jax.pallas.metadata import SegmentSpec
-from akv_jax.serving.radix import Node, RequestKeys
+from akv_jax.serving.radix import Node
+from akv_jax.serving.radix_keys import RequestKeys
 from akv_jax.serving.types import GenerateRequest
 
 
@@ -94,3 +95,7 @@ class RequestState:
     def new_tokens_left(self) -> int:
         """Tokens it may still generate, the one sampled last and not yet fed included."""
         return self.req.sampling.max_new_tokens - self.gen_base
+
+
+# A step's work of one kind (prefill slices or decode rows): each request with its pass.
+Work = list[tuple[RequestState, Pass]]
