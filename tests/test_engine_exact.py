@@ -203,7 +203,7 @@ def test_abort_mid_prefill_leaves_no_half_written_kv(model):
     # A request sharing the prefix may not be planned on KV that is not written yet.
     _add(eng, "y", segs + [[90, 91]], cache)
     y = eng.waiting.popleft()
-    assert eng.planner.plan(y, eng._step_id) is None
+    assert eng.planner.plan(y, eng.step_id) is None
     eng.abort("x")
     assert not eng.has_work()
     assert all(n.writer is None for n in eng.cache.tree.nodes())
