@@ -39,7 +39,8 @@ from akv_jax.model.hf_config import config_from_hf
 from akv_jax.model.tokenizer import ChatTokenizer
 from akv_jax.pallas.grouped_matmul import Mxfp4Weight
 from converters import fp8, mxfp4
-from converters.mapping import ConversionError, gguf_to_hf_name, unpermute_llama_qk
+from converters.gguf_names import gguf_to_hf_name, unpermute_llama_qk
+from converters.mapping import ConversionError
 
 # Files copied next to a converted checkpoint when the source folder has them.
 TOKENIZER_FILES = (
