@@ -1,4 +1,4 @@
-"""The fused XLA:CPU attention kernel (akv_jax/pallas/cpu_attention.cc) against the jnp
+"""The fused XLA:CPU attention kernel (akv_jax/kernels/cpu/attention.cc) against the jnp
 reference and the float64 numpy oracle, and the dispatcher's choice between it and the
 chunked jnp path."""
 
@@ -15,12 +15,13 @@ import pallas_cases as cases
 import pytest
 from pallas_cases import assert_close, case_of_kind, dense_oracle
 
-from akv_jax.pallas import cpu_attention, cpu_ffi
+from akv_jax.kernels.cpu import attention as cpu_attention
+from akv_jax.kernels.cpu import ffi as cpu_ffi
 from akv_jax.pallas.chunked import segment_attention_chunked
-from akv_jax.pallas.cpu_attention import segment_attention_cpu
 from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import SegmentSpec, build_segment_batch
 from akv_jax.pallas.reference import segment_attention_reference
+from akv_jax.pallas.segment_attention_cpu import segment_attention_cpu
 
 
 def test_kernel_builds_here():

@@ -1,4 +1,4 @@
-"""The XLA:CPU matmul kernels (akv_jax/pallas/cpu_matmul.cc: few rows; cpu_gemm.cc: many)
+"""The XLA:CPU matmul kernels (akv_jax/kernels/cpu/matmul.cc: few rows; gemm.cc: many)
 against float64 numpy, and where :func:`akv_jax.model.forward.project` uses them."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from akv_jax.kernels.cpu import matmul as cpu_matmul
 from akv_jax.model import presets
 from akv_jax.model.causal import BLOCK_Q, PAGE_SIZE, one_segment_batch
 from akv_jax.model.forward import (
@@ -22,7 +23,6 @@ from akv_jax.model.forward import (
 )
 from akv_jax.model.params import init_params
 from akv_jax.model.rope import rope_table_for
-from akv_jax.pallas import cpu_matmul
 
 
 def ffi_targets(jaxpr: str) -> set[str]:

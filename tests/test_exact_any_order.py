@@ -20,7 +20,7 @@ from exactness import (
 
 from akv_jax.cache.dense_reference import DenseModel
 from akv_jax.cache.ops import parse_history
-from akv_jax.pallas import cpu_matmul
+from akv_jax.kernels.cpu import matmul as cpu_matmul
 from akv_jax.serving.engine import Engine
 from akv_jax.serving.executor import PREFILL_BLOCK_Q, token_bucket
 from akv_jax.serving.types import GenerateRequest, SamplingParams

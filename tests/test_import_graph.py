@@ -2,6 +2,7 @@
 
 Layers, lowest first (a package may import only packages of a lower layer):
 
+    akv_jax.kernels     the C++ CPU kernels and their bindings (nothing of the project)
     akv_jax.pallas      kernels and what they read: segment-batch metadata, RoPE tables and
                         rotations, jnp references, the attention / repos factory
     akv_jax.model       configs, params, forward, tokenizer, checkpoints
@@ -22,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = ("akv_jax", "converters")
-RANK = {"akv_jax.pallas": 0, "akv_jax.model": 1, "akv_jax.cache": 2, "converters": 2}
+RANK = {"akv_jax.kernels": 0, "akv_jax.pallas": 1, "akv_jax.model": 2, "akv_jax.cache": 3,
+        "converters": 3}
 APPLICATIONS = ("akv_jax.serving", "akv_jax.agent")
 
 
@@ -152,9 +154,8 @@ def test_lower_layers_import_only_lower_layers():
         for (a, b) in sorted(edges)
         if a in RANK and b in RANK and RANK[b] >= RANK[a]
     ]
-    assert not bad, "imports against the layering (pallas < model < cache, converters):\n  " + (
-        "\n  ".join(bad)
-    )
+    rule = "kernels < pallas < model < cache, converters"
+    assert not bad, f"imports against the layering ({rule}):\n  " + "\n  ".join(bad)
 
 
 def test_lower_layers_do_not_import_applications():

@@ -223,7 +223,7 @@ def _attend(backend, q, k, v, batch, *, block_q, sm_scale, sinks, window):
         return segment_attention_tpu(q, k, v, batch, block_q=block_q, sm_scale=sm_scale,
                                      sinks=sinks, sliding_window=window, interpret=True)
     if backend == "cpu":  # the fused C++ kernel, called directly (not its fallback)
-        from akv_jax.pallas.cpu_attention import segment_attention_cpu
+        from akv_jax.pallas.segment_attention_cpu import segment_attention_cpu
 
         return segment_attention_cpu(q, k, v, batch, block_q=block_q, sm_scale=sm_scale,
                                      sinks=sinks, sliding_window=window)

@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from akv_jax.kernels.cpu import matmul as cpu_matmul
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.moe import moe_mlp
 from akv_jax.model.params import LayerParams, Params, stack_layers, stack_row
-from akv_jax.pallas import cpu_matmul
 from akv_jax.pallas.dispatch import make_attention_fn
 from akv_jax.pallas.metadata import AttentionFn, SegmentBatch
 from akv_jax.pallas.rotary import RopeTable, apply_rope, rotate_half_split

@@ -6,7 +6,7 @@ that :func:`akv_jax.pallas.plan.plan_pages` gives it (dropped pages and pages pa
 end are never touched), ``pages_per_chunk`` pages per step of a ``fori_loop`` with a dynamic
 trip count, with an online softmax. Same semantics as the reference (tests compare them);
 ``--attention-backend auto`` uses it on the CPU where the fused C++ kernel
-(cpu_attention.py) cannot run: no compiler, not float32, or a tensor-parallel mesh.
+(segment_attention_cpu.py) cannot run: no compiler, not float32, or a tensor-parallel mesh.
 
 Two loops over the same plan, chosen by ``block_q`` (static):
 

@@ -5,11 +5,11 @@
 * ``"reference"``: the jnp references (any platform);
 * ``"pallas"``: the kernel for the platform (GPU: Triton body, TPU: Mosaic body); on the CPU
   the GPU body in interpret mode (slow, for tests: it runs the kernel's own code);
-* ``"auto"``: the kernel on GPU and TPU; on the CPU the fused C++ kernel (cpu_attention.py,
-  an XLA FFI call), or where it cannot run (no compiler, not float32, a tensor-parallel
-  mesh) the chunked jnp attention (chunked.py); both have the reference's semantics and read
-  only visible pages; the reference for a shape a kernel body cannot take (e.g. a page size
-  that is not a power of two on the GPU).
+* ``"auto"``: the kernel on GPU and TPU; on the CPU the fused C++ kernel
+  (segment_attention_cpu.py, an XLA FFI call), or where it cannot run (no compiler, not
+  float32, a tensor-parallel mesh) the chunked jnp attention (chunked.py); both have the
+  reference's semantics and read only visible pages; the reference for a shape a kernel
+  body cannot take (e.g. a page size that is not a power of two on the GPU).
 
 The returned callables: ``attention(q, k_pages, v_pages, batch, layer=None, sinks=None)``
 (:data:`~akv_jax.pallas.metadata.AttentionFn`; ``layer`` given: the pools hold every layer,
@@ -28,8 +28,8 @@ from typing import Any
 
 import jax
 
-from akv_jax.pallas import cpu_attention
 from akv_jax.pallas import repos as repos_lib
+from akv_jax.pallas import segment_attention_cpu as cpu_fused
 from akv_jax.pallas.chunked import segment_attention_chunked
 from akv_jax.pallas.metadata import AttentionFn, is_pow2
 from akv_jax.pallas.reference import repos_reference, segment_attention_reference
@@ -112,16 +112,16 @@ def make_attention_fn(
 
 
 def _cpu_attention(common: dict[str, Any]) -> AttentionFn:
-    """No Pallas lowering on this platform: the fused C++ kernel (cpu_attention.py) where it
-    built and takes the shapes, else the jnp path whose work follows the visible KV
+    """No Pallas lowering on this platform: the fused C++ kernel (segment_attention_cpu.py)
+    where it built and takes the shapes, else the jnp path whose work follows the visible KV
     (chunked.py); both have the reference's semantics, which scores whole views. Under a
     tensor-parallel mesh the jnp path, which GSPMD partitions (an FFI call it could not)."""
     chunked = functools.partial(segment_attention_chunked, **common)
-    fused = functools.partial(cpu_attention.segment_attention_cpu, **common)
+    fused = functools.partial(cpu_fused.segment_attention_cpu, **common)
 
     def attention(q, k_pages, v_pages, batch, layer=None, sinks=None):
-        if (_tensor_mesh()[1] == 1 and cpu_attention.supports(q, k_pages, v_pages)
-                and cpu_attention.available()):
+        if (_tensor_mesh()[1] == 1 and cpu_fused.supports(q, k_pages, v_pages)
+                and cpu_fused.available()):
             return fused(q, k_pages, v_pages, batch, layer=layer, sinks=sinks)
         return chunked(q, k_pages, v_pages, batch, layer=layer, sinks=sinks)
 

@@ -39,11 +39,9 @@ def token_bucket(n: int, block_q: int) -> int:
 
     A decode step streams the weights, so padding its rows costs more than it seems. A single
     row is not padded: on the CPU a matrix-vector product runs at the memory's speed where an
-    8-row product is compute-bound (SmolLM2's 90 MLP matrices: 11.9 ms at 1 row, 22.0 ms at
-    8), so one stream padded to 8 rows paid ~40% of its step for the padding. 2-4 rows share
-    a 4-row shape (the agent workload's four conversations): with the few-row kernel
-    (``cpu_matmul``) a 4-row SmolLM2 step over 1,000-token contexts takes 57-61 ms against
-    66-72 ms padded to 8 (alternating runs). Every shape is a compile, so 5-7 rows share 8."""
+    8-row product is compute-bound. 2-4 rows share a 4-row shape (the agent workload's four
+    conversations), which the few-row kernel (:mod:`akv_jax.kernels.cpu.matmul`) runs faster
+    than 8 (figures: ``docs/cpu-kernels.md``). Every shape is a compile, so 5-7 rows share 8."""
     if block_q == 1:
         return 1 if n == 1 else 4 if n <= 4 else bucket(n, 8, steps_per_octave=2)
     return bucket(n, max(block_q, 64), steps_per_octave=4)

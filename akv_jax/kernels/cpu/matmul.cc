@@ -1,15 +1,15 @@
 // Few-row matrix products for XLA:CPU: y[M, N] = x[M, K] @ w[K, N] for M <= 16 (decode steps),
-// the CPU kernel of akv_jax.pallas.cpu_matmul.
+// the CPU kernel of akv_jax.kernels.cpu.matmul.
 //
 // A decode step streams every weight once; with 1 row XLA runs a matrix-vector product at the
-// memory's speed, but from 2 to 16 rows its small-GEMM path is compute-bound (SmolLM2's MLP
-// weights: 11.9 ms at 1 row, 22.0 ms at 8). Here w is read once, in bands of BAND whole rows
+// memory's speed, but from 2 to 16 rows its small-GEMM path is compute-bound (figures:
+// docs/cpu-kernels.md). Here w is read once, in bands of BAND whole rows
 // (a thread's column range of each: BAND sequential streams), each row's 32-column pieces
 // multiplied into register accumulators for up to 8 rows of x; partial sums live in a
 // per-thread buffer between bands and in y between slices of k.
 // Columns are split across XLA's intra-op threads. A second entry point takes w as [N, K]
 // (a tied embedding used as the output head), whose rows are contiguous already; a third,
-// SwiGLU's gate too, and returns silu(gate) * (x @ w) (cpu_vec.h's epilogue, as the GEMM's).
+// SwiGLU's gate too, and returns silu(gate) * (x @ w) (vec.h's epilogue, as the GEMM's).
 
 #include <algorithm>
 #include <cmath>
@@ -17,8 +17,8 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_pool.h"
-#include "cpu_vec.h"
+#include "pool.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -27,10 +27,8 @@ namespace {
 
 constexpr int PIECE = 32;  // columns per piece handed to a thread (whole pieces each)
 constexpr int MT = 8;   // rows of x per register tile (x 2 vectors of columns)
-// Rows of w per band. Slices of k walked piece by piece (each piece's 256 rows, 128 B a row
-// at N floats apart) read the weights from memory at 8-12 GB/s on a Zen 4 host, where a
-// band's 8 row segments, piece after piece, stream at 15-21 GB/s: 40 of SmolLM2's
-// 576 x 1,536 matrices at 8 rows, 12.1 -> 7.0 ms; 4, 6, 12 and 16 rows a band slower.
+// Rows of w per band: a band's row segments, piece after piece, are sequential streams the
+// memory serves faster than a piece's rows N floats apart (docs/cpu-kernels.md).
 constexpr int BAND = 8;
 
 using akv::splat;
@@ -86,7 +84,7 @@ void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
         float a = 0.f;
         // std::fma: written as `a += x * w`, GCC vectorises the products and adds them in
         // order without fusing, and these columns would round unlike the vector ones (and
-        // unlike cpu_gemm.cc's, whose rows match this kernel's bit for bit).
+        // unlike gemm.cc's, whose rows match this kernel's bit for bit).
         for (int64_t k = k0; k < k1; ++k) a = std::fma(x[(m0 + m) * K + k], w[k * N + c], a);
         y[(m0 + m) * N + c] = k0 == 0 ? a : y[(m0 + m) * N + c] + a;
       }
@@ -105,9 +103,8 @@ void tile_nt(const float* x, const float* w, float* y, int64_t K, int64_t N, int
     for (int m = 0; m < MR; ++m) acc[m] = vf{};
     int64_t k = 0;
     for (; k + W <= K; k += W) {
-      // 5-8 rows: the row 8 ahead, prefetched (a SmolLM2 output head from memory at 8 rows,
-      // 9.0-9.9 -> 6.9-7.6 ms); at 4 rows the prefetches cost more than they hide (6.0 ->
-      // 7.1 ms), the hardware's own prefetch keeping up with the lighter arithmetic.
+      // 5-8 rows: the row 8 ahead, prefetched; at 4 rows the hardware's own prefetch keeps up
+      // with the lighter arithmetic and ours cost more than they hide.
       if constexpr (MR > 4) __builtin_prefetch(wn + 8 * K + k);
       const vf wv = vload(wn + k);
       for (int m = 0; m < MR; ++m) acc[m] += vload(x + (m0 + m) * K + k) * wv;

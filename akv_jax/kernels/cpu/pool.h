@@ -1,4 +1,4 @@
-// Work sharing for the XLA:CPU kernels (cpu_*.cc): items run on the calling thread and on
+// Work sharing for the XLA:CPU kernels (*.cc): items run on the calling thread and on
 // XLA's intra-op thread pool, claimed one at a time, so a core the host has slowed or taken
 // away runs fewer of them.
 

@@ -1,9 +1,9 @@
 """Matrix products on XLA:CPU as XLA FFI calls, float32: decode steps' few rows
-(``cpu_matmul.cc``) and prefill steps' many (``cpu_gemm.cc``).
+(``matmul.cc``) and prefill steps' many (``gemm.cc``).
 
 A decode step of 2-16 rows streams every weight once, so its projections should cost what a
 1-row step's do (XLA's matrix-vector product runs at the memory's speed); XLA:CPU's small-GEMM
-path is compute-bound there instead (SmolLM2's MLP weights: 11.9 ms at 1 row, 22.0 ms at 8).
+path is compute-bound there instead (figures: ``docs/cpu-kernels.md``).
 The few-row kernel reads each weight once in sequential blocks of rows, for up to 8 rows of
 ``x`` in registers. A prefill's many rows take a blocked GEMM (packed panels of ``w``,
 register tiles of 6 x 64 with AVX-512, 6 x 16 with AVX2), from MIN_GEMM_ROWS up (every
@@ -16,9 +16,10 @@ bits whichever kernel ran, however many rows the call had and whatever the host'
 in its kernel: SwiGLU's activation, a residual add (epilogues applied to each block of the
 output as it is computed, where XLA made passes over the whole output of their own).
 
-:func:`matmul` is used by :func:`akv_jax.model.forward.project` and ``lm_logits`` on the CPU
-only (``jax.lax.platform_dependent``: a GPU or TPU lowering, deviceless ones included, keeps
-the matmul), float32, outside a tensor-parallel mesh.
+The CPU projection backend (:mod:`akv_jax.kernels.cpu.projection`) calls these where they
+apply: float32, outside a tensor-parallel mesh, and on the CPU only
+(``jax.lax.platform_dependent``: a GPU or TPU lowering, deviceless ones included, keeps the
+matmul).
 """
 
 from __future__ import annotations
@@ -27,52 +28,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from akv_jax.pallas import cpu_ffi
+from akv_jax.kernels.cpu import ffi
 
 TARGET = "akv_cpu_matmul"  # x [M, K] @ w [K, N], 2..MAX_ROWS rows
 TARGET_NT = "akv_cpu_matmul_nt"  # x [M, K] @ w [N, K]^T, 2..MAX_ROWS rows
 TARGET_GEMM = "akv_cpu_gemm"  # x [M, K] @ w [K, N], more rows
 TARGET_GEMM_PACKED = "akv_cpu_gemm_packed"  # the same from w packed ahead (pack_panels)
 # silu(gate) * (x @ w), SwiGLU's up projection with its activation as the epilogue (one
-# pass where XLA read the gate and up outputs back: SmolLM2's 2,000-token forward spent
-# ~3 ms a layer on that fusion after the GEMMs). The kernels share the activation's code,
-# so, as for the sums, a row's bits do not depend on which kernel ran.
+# pass where XLA read the gate and up outputs back). The kernels share the activation's
+# code, so, as for the sums, a row's bits do not depend on which kernel ran.
 TARGET_GATED = "akv_cpu_matmul_gated"
 TARGET_GEMM_GATED = "akv_cpu_gemm_gated"
 # From packed panels, with an epilogue: SwiGLU's activation or a residual add.
 TARGET_GEMM_PACKED_EPILOGUE = "akv_cpu_gemm_packed_epilogue"
-EPILOGUE_SILU_MUL, EPILOGUE_ADD = 1, 2  # cpu_gemm.cc's Epilogue
+EPILOGUE_SILU_MUL, EPILOGUE_ADD = 1, 2  # gemm.cc's Epilogue
 MAX_ROWS = 16  # the few-row kernel's: decode buckets 8 and 16; prefill rows start at 64
-# Fewest rows for which a model's projections take the GEMM: every prefill bucket (64 rows
-# and up), so a prefill row's bits depend neither on the rows around it nor on the host. XLA's
-# own products block by the host's cache sizes: on an AVX-512 Zen 4 host they put SmolLM2's
-# 146-token prompt 1.2e-4 from transformers (the parity bound is 1e-4); the GEMM, 5.9e-5.
-# Speed, SmolLM2 prefill forward on that host (ms, two alternating rounds, XLA / GEMM):
-# 64 rows 184-219 / 204-214, 128 rows 286-314 / 288-359, 256 rows 503-505 / 504-505,
-# 384 rows 708-769 / 696-730, 768 rows 1,484-1,559 / 1,443-1,599 (at 128 rows the GEMM was
-# 318-320 before a short last micro-panel got its own register count). Decode rows past
-# MAX_ROWS (24, 32, 48) keep XLA's products.
+# Fewest rows for which a model's projections take the GEMM: every prefill bucket, so a prefill
+# row's bits depend neither on the rows around it nor on the host's cache sizes (by which
+# XLA's products block), at XLA's speed (docs/cpu-kernels.md). Decode rows past MAX_ROWS
+# (24, 32, 48) keep XLA's products.
 MIN_GEMM_ROWS = 64
 
 
 def available() -> bool:
     """Whether the kernels are built and registered with XLA:CPU (builds them on first call)."""
-    return (cpu_ffi.register("cpu_matmul.cc", TARGET, "AkvCpuMatmul")
-            and cpu_ffi.register("cpu_matmul.cc", TARGET_NT, "AkvCpuMatmulNT")
-            and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM, "AkvCpuGemm"))
+    return (ffi.register("matmul.cc", TARGET, "AkvCpuMatmul")
+            and ffi.register("matmul.cc", TARGET_NT, "AkvCpuMatmulNT")
+            and ffi.register("gemm.cc", TARGET_GEMM, "AkvCpuGemm"))
 
 
 def packs() -> bool:
     """Whether the GEMM of weights packed ahead of time (:func:`pack_panels`) is built and
     registered."""
-    return available() and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_PACKED,
+    return available() and ffi.register("gemm.cc", TARGET_GEMM_PACKED,
                                             "AkvCpuGemmPacked")
 
 
 def panel_width() -> int:
     """The GEMM's panel width NR (64 with AVX-512, 16 with AVX2): :func:`pack_panels`'s
     layout. Call it only where :func:`packs`."""
-    nr = cpu_ffi.int_constant("cpu_gemm.cc", "AkvCpuGemmPanelWidth")
+    nr = ffi.int_constant("gemm.cc", "AkvCpuGemmPanelWidth")
     if nr is None:
         raise RuntimeError("the CPU GEMM is not available (see its warning)")
     return nr
@@ -196,9 +191,9 @@ def matmul(x: jax.Array, w: jax.Array, live: jax.Array | None = None) -> jax.Arr
 def epilogues() -> bool:
     """Whether the products that finish their output in the kernel (:func:`matmul_gated`;
     :func:`matmul_packed` with a gate or a residual) are built and registered."""
-    return (packs() and cpu_ffi.register("cpu_matmul.cc", TARGET_GATED, "AkvCpuMatmulGated")
-            and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_GATED, "AkvCpuGemmGated")
-            and cpu_ffi.register("cpu_gemm.cc", TARGET_GEMM_PACKED_EPILOGUE,
+    return (packs() and ffi.register("matmul.cc", TARGET_GATED, "AkvCpuMatmulGated")
+            and ffi.register("gemm.cc", TARGET_GEMM_GATED, "AkvCpuGemmGated")
+            and ffi.register("gemm.cc", TARGET_GEMM_PACKED_EPILOGUE,
                                  "AkvCpuGemmPackedEpilogue"))
 
 

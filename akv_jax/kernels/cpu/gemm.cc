@@ -1,5 +1,5 @@
 // Matrix products with many rows for XLA:CPU: y[M, N] = x[M, K] @ w[K, N], float32 (prefill
-// and restore steps' projections), the CPU kernel of akv_jax.pallas.cpu_matmul.
+// and restore steps' projections), the CPU kernel of akv_jax.kernels.cpu.matmul.
 //
 // A blocked GEMM. w is packed into panels of NR = NB vectors of columns (64 with AVX-512,
 // 16 with AVX2; [K][NR], contiguous, zero-padded past N: read in place, a panel's rows are N
@@ -9,17 +9,16 @@
 // row of w in NB vectors, one broadcast of x per row, x read in place (MR sequential
 // streams; a last, short micro-panel from a zero-padded copy). The panel's slice of w stays
 // in cache across the chunk's micro-panels (L1 with AVX2; with AVX-512 a 192-deep slice of
-// 64 columns, 48 KB, is past a Zen 4 core's L1 yet the 6 x 4 tile is faster); it is
-// prefetched in software, and the next slice into L2 (on this 2-core VM the hardware
-// prefetchers alone left the kernel at ~60% of its in-L1 speed).
+// 64 columns, 48 KB, may pass L1, yet the 6 x 4 tile measured faster); it is prefetched in
+// software, and the next slice into L2 (the hardware prefetchers alone fell well short).
 //
 // AkvCpuGemmPacked is the same product from w packed ahead of time in that layout (a stack
-// of layers, cpu_matmul.pack_panels): it reads the layer's panels where they lie.
+// of layers, matmul.pack_panels): it reads the layer's panels where they lie.
 // AkvCpuGemmGated and AkvCpuGemmPackedEpilogue finish each block of y as it lands: SwiGLU's
-// silu(gate) * (x @ w) (cpu_vec.h's epilogue) or, from packed w, also x @ w + r (a residual
+// silu(gate) * (x @ w) (vec.h's epilogue) or, from packed w, also x @ w + r (a residual
 // stream), where XLA made a pass over y of its own.
 //
-// Every output element is the same sum in the same order as in cpu_matmul.cc's few-row
+// Every output element is the same sum in the same order as in matmul.cc's few-row
 // kernel (a chain of fused multiply-adds per slice of k, slices added in order): a row's
 // result does not depend on how many rows the call has or where the row sits.
 
@@ -28,8 +27,8 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_pool.h"
-#include "cpu_vec.h"
+#include "pool.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -175,10 +174,8 @@ struct Gemm {
   }
 
   // Panels outer, slices of k inner: the chunk's C block of one panel (MC x NR, 21 KB with
-  // AVX-512) stays in cache across the slices that add into it. Slices outer wrote and
-  // re-read the chunk's whole C row block per slice (MC x N: 1 MB for SmolLM2's 1,536-wide
-  // gate and up, past a Zen 4 core's L2); panels outer: 2,048 x 576 -> 1,536 19.4 -> 18.8
-  // ms, alternating, same bits (each output's slices still add in order).
+  // AVX-512) stays in cache across the slices that add into it, where slices outer re-read
+  // the chunk's whole C row block per slice (same bits: each output's slices add in order).
   void item(int64_t m0, int64_t rows, int64_t p0, int64_t p1) const {
     thread_local std::vector<float> xbuf;
     const int64_t micro_panels = (rows + MR - 1) / MR;
@@ -199,9 +196,7 @@ struct Gemm {
           const int r = static_cast<int>(std::min<int64_t>(MR, rows - i * MR));
           float* c = y + (m0 + i * MR) * N + p * NR;
           const float* pf = i == 0 ? next : nullptr;
-          // The epilogue's rows of e, a micro-panel ahead: they come from memory (SmolLM2's
-          // gated 2,048 x 576 -> 1,536 product 13.4 ms unfetched, 11.9-12.5 fetched, 11.2-11.6
-          // ungated).
+          // The epilogue's rows of e, a micro-panel ahead: they come from memory.
           if (e && k0 + kcur == K)
             for (int64_t j = i == 0 ? 0 : 1; j < 2; ++j)
               prefetch_e(m0 + (i + j) * MR, std::min<int64_t>(MR, rows - (i + j) * MR), p * NR,
@@ -289,7 +284,7 @@ ffi::Error Plain(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-// The same product from w packed ahead of time (cpu_matmul.pack_panels: w [L, K, N] as
+// The same product from w packed ahead of time (matmul.pack_panels: w [L, K, N] as
 // [L, panels, K, NR], zero past N), layer `layer` of the stack: a prefill's layer scan
 // hands the kernel the whole stack and the layer's index, so neither XLA (slicing the
 // layer's weights out of the stack) nor the kernel (packing them) copies them per call.
@@ -400,5 +395,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AkvCpuGemmPackedEpilogue, ImplPackedEpilogue,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("epilogue"));
 
-// The panel width NR the packed layout must have (cpu_matmul.panel_width).
+// The panel width NR the packed layout must have (matmul.panel_width).
 extern "C" int AkvCpuGemmPanelWidth() { return NR; }

@@ -1,4 +1,4 @@
-// Segment-batch attention for XLA:CPU, fused: the CPU kernel of akv_jax.pallas.cpu_attention.
+// Segment-batch attention for XLA:CPU, fused: the CPU kernel of akv_jax.kernels.cpu.attention.
 //
 // Same semantics as akv_jax/pallas/reference.py (the module's tests compare them); the work
 // follows the visible KV like chunked.py: each query block reads only its segment's compacted
@@ -9,7 +9,7 @@
 //
 // One work item is (query block, kv head): its G query heads x q_len rows against the
 // block's keys. Items run on XLA's intra-op thread pool, largest (latest causal) first.
-// Vectors are GCC vector extensions of the CPU's own width (cpu_vec.h, -march=native): 16
+// Vectors are GCC vector extensions of the CPU's own width (vec.h, -march=native): 16
 // floats with AVX-512, 8 with AVX2.
 
 #include <algorithm>
@@ -20,8 +20,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_pool.h"
-#include "cpu_vec.h"
+#include "pool.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -35,21 +35,18 @@ using akv::vstore;
 using akv::W;
 
 // Keys per tile: the per-row softmax work is paid per tile, but a prefill block's row tiles
-// all re-read the tile's keys and values, which at 64 keys (2 x 16 KB) stay in L1 (one
-// SmolLM2 layer's 2,000-token prefill: 35.6 -> 33.2 ms against 128 keys, alternating runs).
+// all re-read the tile's keys and values, which at 64 keys (2 x 16 KB) stay in L1.
 constexpr int TK = 64;
 constexpr int KV = TK / W;      // vectors per tile row of scores
 // Query rows per register tile, and the vectors per pass of each product: the score
 // product keeps RT x QK_V accumulators, the value product RT x PV_V (0: all of the head),
 // and with the loaded vectors and a broadcast they must fit the vector registers (AVX-512's
-// 32; AVX2's 16, where a whole 64-wide head, 8 vectors a row, spilled: one SmolLM2 layer's
-// 2,000-token prefill took 105 ms against torch's 54). 12 accumulators on AVX2 rather than
-// 8: a fused multiply-add's latency is 4 cycles on two pipes, so 8 chains just cover it,
-// and each step's 2 vector loads and RT broadcasts feed 12 multiply-adds instead of 8.
+// 32; AVX2's 16, where a whole 64-wide head, 8 vectors a row, spilled). 12 accumulators on
+// AVX2 rather than 8: a fused multiply-add's latency is 4 cycles on two pipes, so 8 chains
+// just cover it, and each step's 2 vector loads and RT broadcasts feed 12 multiply-adds.
 // AVX-512: 6 rows x the whole 64-key tile (4 vectors) is 24 accumulators, with the 4 key
 // vectors and a broadcast 29 of 32 registers; each d step's 4 loads and 6 broadcasts feed
-// 24 multiply-adds (4 rows: 16; one SmolLM2 layer's 2,000-token prefill on a Zen 4 host,
-// alternating: 37.7 -> 33.8 ms and 32.5 -> 29.6 ms, same bits; 5 and 7 rows no better).
+// 24 multiply-adds (4 rows: 16). Figures: docs/cpu-kernels.md.
 #ifdef __AVX512F__
 constexpr int RT = 6;
 constexpr int QK_V = 4;
@@ -342,8 +339,7 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
         row_tile(std::integral_constant<int, RT_FEW>{}, std::true_type{}, 0);
         continue;
       }
-      // W x W blocks transposed in registers rather than element by element (a Zen 4 host,
-      // one SmolLM2 layer's 2,000-token prefill: 28.9 -> 28.3 ms, alternating).
+      // W x W blocks transposed in registers rather than element by element (fewer shuffles).
       for (int64_t j0 = 0; j0 < TK; j0 += W)
         for (int64_t d0 = 0; d0 < Dh; d0 += W) {
           vf blk[W];

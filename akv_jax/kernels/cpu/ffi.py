@@ -41,13 +41,13 @@ def _cpu_identity() -> str:
 
 def _build(cxx: str, source: Path) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # cpu_pool.h
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # pool.h, vec.h
     key = hashlib.sha256(
         "\0".join([source.read_text(), *headers, " ".join(FLAGS), version.stdout,
                    _cpu_identity(), jax.__version__]).encode()
     ).hexdigest()[:16]
     root = Path(os.environ.get("AKV_JAX_CACHE", Path.home() / ".cache" / "akv_jax"))
-    lib = root / "kernels" / f"{source.stem}-{key}.so"
+    lib = root / "kernels" / f"cpu_{source.stem}-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-// What the XLA:CPU kernels (cpu_*.cc) share besides their work sharing (cpu_pool.h): the
+// What the XLA:CPU kernels (*.cc) share besides their work sharing (pool.h): the
 // vector type and its loads, the order in which the matmul kernels sum, the exponential, and
 // the gated products' epilogue.
 
@@ -72,13 +72,12 @@ inline void transpose(vf (&r)[W]) {
   if constexpr (H > 1) transpose<H / 2>(r);
 }
 
-// k per slice for a product of depth K in cpu_matmul.cc and cpu_gemm.cc: equal slices of at
+// k per slice for a product of depth K in matmul.cc and gemm.cc: equal slices of at
 // most 256, each summed from zero as one chain of fused multiply-adds, then added to the
-// output in order. One chain over all of K rounds like a sum of K terms (SmolLM2's
-// 1,536-deep down projection: twice XLA's error, max |err| 2.7e-4 against float64 on random
-// normals), slices of 256 like one of ~256 + K / 256 (8.2e-5; XLA, which cuts K at 512,
-// 1.3e-4). Both kernels slicing alike is what makes a row's bits independent of the batch
-// (whatever the vector width: each output is its own chain).
+// output in order. One chain over all of K rounds like a sum of K terms, slices of 256 like
+// one of ~256 + K / 256 (more accurate than XLA's slices of 512: docs/cpu-kernels.md). Both
+// kernels slicing alike is what makes a row's bits independent of the batch (whatever the
+// vector width: each output is its own chain).
 inline int64_t k_slice(int64_t K) {
   constexpr int64_t kMax = 256;
   const int64_t slices = (K + kMax - 1) / kMax;
@@ -108,7 +107,7 @@ inline vf vexp(vf x) {
 }
 
 // SwiGLU's activation times the up projection, silu(g) * u = g / (1 + e^-g) * u, lane by
-// lane: the epilogue of the gated products in cpu_matmul.cc and cpu_gemm.cc, which share it
+// lane: the epilogue of the gated products in matmul.cc and gemm.cc, which share it
 // so that an MLP row's bits do not depend on which kernel ran (as their sums do not). e^-g
 // on -g clamped to [-87, 88] (vexp's range): past it silu(g) is g (g > 87, e^-g < 1.7e-38
 // beside 1) or 0 (g < -88: |silu(g)| < 1e-36).
