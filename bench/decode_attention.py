@@ -41,15 +41,13 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+from common import git_head, interleaved_medians
 
 from akv_jax.model.config import ModelConfig, RopeConfig
 from akv_jax.model.forward import KVPool, KVWrites, forward
@@ -142,19 +140,6 @@ def implementation_name(fn) -> str:
     """The function behind a (possibly partial) attention callable."""
     inner = getattr(fn, "func", fn)
     return getattr(inner, "__name__", repr(inner))
-
-
-def interleaved_medians(fns: dict[str, object], repeats: int) -> dict[str, float]:
-    """Median seconds of each callable, timed round-robin so machine load hits all alike."""
-    for fn in fns.values():
-        fn()  # compile and warm
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def measure(cfg_name: str, batch: int, context: int, fractions: list[float], repeats: int) -> dict:

@@ -44,7 +44,7 @@ import importlib
 import json
 import os
 import platform
-import statistics
+import site
 import sys
 import time
 import traceback
@@ -53,11 +53,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from common import median_seconds, tests_module
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the device image has akv_jax's tree, not an install of it
-    sys.path.insert(0, str(ROOT))
-if os.environ.get("AKV_DEVICE_SITE"):  # carried wheels: after the image's own packages
-    sys.path.append(os.environ["AKV_DEVICE_SITE"])
+# The device image has akv_jax's tree, not an install of it: scripts/device_check.sh puts the
+# tree on PYTHONPATH. Carried wheels go after the image's own packages (a site directory).
+if os.environ.get("AKV_DEVICE_SITE"):
+    site.addsitedir(os.environ["AKV_DEVICE_SITE"])
 
 from akv_jax.aot.targets import TARGETS, Target  # noqa: E402  (data only: no jax)
 
@@ -123,15 +125,14 @@ def time_per_call(call: Callable[[], Any], sync: Callable[[Any], Any], iters: in
     synced once per round (so the device queue stays full and host dispatch hides), after a
     warm-up call that compiles."""
     sync(call())
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
+
+    def burst() -> None:
         out = None
         for _ in range(iters):
             out = call()
         sync(out)
-        times.append((time.perf_counter() - t) / iters)
-    return statistics.median(times)
+
+    return median_seconds(burst, rounds, warm=False) / iters
 
 
 def exit_reason(rc: int | None) -> str:
@@ -299,14 +300,6 @@ def torch_environment(cpu: bool) -> dict:
             "mode": "torch" if torch else "no torch", "host": platform.node()}
 
 
-def support_module(name: str) -> Any:
-    """A test-support module of tests/ (bench/kernels.py imports pallas_cases the same way)."""
-    tests = str(ROOT / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    return importlib.import_module(name)
-
-
 def backend_for(cpu: bool) -> str:
     """The attention backend flag: the server's default on a device; on the CPU "pallas",
     whose GPU kernel body runs interpreted."""
@@ -365,7 +358,7 @@ def kernel_case(phase: str, cpu: bool, seed: int) -> Any:
 
     from akv_jax.serving.executor import PREFILL_BLOCK_Q
 
-    cases = support_module("pallas_cases")
+    cases = tests_module("pallas_cases")
     rng = np.random.default_rng(seed)
     block_q = 16 if cpu else PREFILL_BLOCK_Q
     if phase == "decode":
@@ -404,7 +397,7 @@ def attention_check(lay: Layout, phase: str, dtype: str, cpu: bool) -> dict:
     from akv_jax.pallas.reference import segment_attention_reference
 
     info = gpu_path(cpu)
-    cases = support_module("pallas_cases")
+    cases = tests_module("pallas_cases")
     case = kernel_case(phase, cpu, seed=1)
     rng = np.random.default_rng(2)
     key = rng if cpu else jax.random.key(2)
@@ -541,7 +534,7 @@ def request_orders(model: Any, reqs: list, refs: list, backend: str, n_new: int,
 
     from akv_jax.serving.engine import Engine
 
-    ex = support_module("exactness")
+    ex = tests_module("exactness")
     rng = np.random.default_rng(seed)
     n, ps = len(reqs), 4
     tokens = ex.pool_that_forces_eviction(reqs, ps, 1, n_new)
@@ -581,7 +574,7 @@ def engine_check(name: str, cpu: bool, precision: str | None = None) -> dict:
     from akv_jax.cache.dense_reference import DenseModel
 
     info = gpu_path(cpu)
-    ex = support_module("exactness")
+    ex = tests_module("exactness")
     model = tiny_model(name)
     dm = DenseModel(model.params, model.cfg)
     count, n_new = (3, 4) if cpu else (6, ex.N_NEW)
@@ -653,7 +646,7 @@ def bandwidth_check(model: str, cpu: bool) -> dict:
 
     info = gpu_path(cpu)
     lay, requests, context = bandwidth_shape(model, cpu)
-    cases = support_module("pallas_cases")
+    cases = tests_module("pallas_cases")
     rng = np.random.default_rng(4)
     case = cases.decode_case(rng, [context] * requests, page_size=PAGE_SIZE)
     q, k, v, batch = cases.materialize(case, rng if cpu else jax.random.key(4),

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from provenance import git_head
+from common import git_head
 
 from akv_jax.agent.launch import LocalServer
 from akv_jax.serving import protocol

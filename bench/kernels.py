@@ -20,20 +20,19 @@ import functools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import median_seconds, tests_module
 
 from akv_jax.pallas.dispatch import resolve_backend
 from akv_jax.pallas.reference import segment_attention_reference
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
 from akv_jax.pallas.segment_attention_tpu import segment_attention_tpu
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import pallas_cases as cases  # noqa: E402  (tests/pallas_cases.py: test-support module)
+cases = tests_module("pallas_cases")
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -65,17 +64,6 @@ def device_peaks(kind: str) -> tuple[float | None, float | None]:
         if key in kind:
             return PEAKS[key]
     return None, None
-
-
-def timeit(fn, *args, iters: int) -> float:
-    """Median seconds of ``fn(*args)`` after a compile-and-warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def shapes(quick: bool):
@@ -118,8 +106,8 @@ def run_one(kind, p, *, body, page_size, dtype, iters, peaks, model=MODEL, inter
     out_k = kernel(q, k, v, batch)
     out_r = reference(q, k, v, batch)
     err = float(jnp.max(jnp.abs(out_k.astype(jnp.float32) - out_r.astype(jnp.float32))))
-    t_k = timeit(kernel, q, k, v, batch, iters=iters)
-    t_r = timeit(reference, q, k, v, batch, iters=iters)
+    t_k = median_seconds(lambda: jax.block_until_ready(kernel(q, k, v, batch)), iters)
+    t_r = median_seconds(lambda: jax.block_until_ready(reference(q, k, v, batch)), iters)
 
     item = jnp.dtype(dtype).itemsize
     kv_bytes = cases.visible_pages(case) * page_size * hkv * head_dim * 2 * item

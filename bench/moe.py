@@ -52,7 +52,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
-from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+from common import git_head, median_seconds
 
 from akv_jax.model.moe import clamped_swiglu, moe_mlp, route, route_sigmoid, route_softmax_topk
 from akv_jax.model.presets import tiny_config
@@ -127,13 +127,8 @@ def _with_xla_ragged_dot(cfg, lp, h: jax.Array) -> jax.Array:
 
 
 def timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of ``fn(*args)`` after a compile call."""
+    return median_seconds(lambda: jax.block_until_ready(fn(*args)), repeats)
 
 
 def expert_bytes(lp, dtype) -> tuple[int, int]:

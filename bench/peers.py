@@ -42,14 +42,12 @@ over akv_jax for times, so above 1 means akv_jax is faster. The last line printe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import http.client
 import json
 import os
 import platform
-import signal
-import socket
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,7 +58,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+from common import ForeignServer, git_head, rss_mib
+
+from akv_jax.agent.launch import LocalServer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -138,69 +138,21 @@ def _stream(port: int, path: str, body: dict, timeout: float = 600) -> list[tupl
 
 
 # ---------------------------------------------------------------------------- servers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    """One server subprocess on loopback; ``generate`` speaks its API in token ids."""
+    """One server on loopback (``port``, ``startup_s``); ``generate`` speaks its API in token
+    ids."""
 
     name = ""
+    port: int
+    startup_s: float
+    pid: int
 
-    def __init__(self, cmd: list[str], env: dict, log_path: Path, ready_timeout: float):
-        self.port = int(cmd[cmd.index("--port") + 1])
-        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited at start (see {log_path})")
-            if time.perf_counter() - t0 > ready_timeout:
-                self.stop()
-                raise RuntimeError(f"{self.name} not ready in {ready_timeout:.0f} s ({log_path})")
-            with contextlib.suppress(OSError):
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            time.sleep(1)
-        self.startup_s = time.perf_counter() - t0
-
-    def rss_mib(self) -> float:
+    def rss_mib(self) -> float | None:
         """Resident memory of the server and its children (vLLM runs an engine process)."""
-        total = 0
-        pids = [self.proc.pid]
-        with contextlib.suppress(Exception):
-            out = subprocess.run(
-                ["pgrep", "-s", str(self.proc.pid)], capture_output=True, text=True
-            ).stdout
-            pids = [int(p) for p in out.split()] or pids
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        return total / 1024
+        return rss_mib(self.pid, children=True)
 
     def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
+        raise NotImplementedError
 
     def generate(self, segments: list[list[int]], new: int, cache: dict | None = None) -> list[int]:
         raise NotImplementedError
@@ -213,20 +165,20 @@ class AkvServer(Server):
     name = "akv_jax"
 
     def __init__(self, python: str, workdir: Path, max_total_tokens: int):
-        cmd = [
-            python,
-            "-m",
-            "akv_jax.serving.main",
-            "--port",
-            str(_free_port()),
-            "--max-total-tokens",
-            str(max_total_tokens),
-            "--warmup-shapes",
-            "--max-running-requests",
-            "16",
-        ]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        super().__init__(cmd, env, workdir / "akv_jax.log", ready_timeout=1800)
+        self.log_path = workdir / "akv_jax.log"
+        t0 = time.perf_counter()
+        # --log-level info: the server's default, as this bench has always run it.
+        args = ["--log-level", "info", "--max-total-tokens", str(max_total_tokens),
+                "--warmup-shapes", "--max-running-requests", "16"]
+        self.server = LocalServer(args, timeout_s=1800, env={"PYTHONPATH": str(ROOT)},
+                                  python=python)
+        self.startup_s = time.perf_counter() - t0
+        self.port = int(self.server.url.rsplit(":", 1)[1])
+        self.pid = self.server.proc.pid
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.log_path.write_text("".join(self.server.stdout_lines + self.server.stderr_lines))
 
     def _body(self, segments, new, cache):
         body = {
@@ -268,13 +220,18 @@ class VllmServer(Server):
             "--host",
             "127.0.0.1",
             "--port",
-            str(_free_port()),
+            "0",  # vLLM binds it before loading the model; ForeignServer reads the port back
         ]
         # Issue 18: by default vLLM-CPU reserves one of the two cores for its front end
         # (about 1.5x slower here); 2 GiB of KV cache holds every workload.
         env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
         env.pop("PYTHONPATH", None)
-        super().__init__(cmd, env, workdir / "vllm.log", ready_timeout=900)
+        self.server = ForeignServer(self.name, cmd, env, workdir / "vllm.log", ready_timeout=900)
+        self.startup_s, self.port, self.pid = (self.server.startup_s, self.server.port,
+                                               self.server.proc.pid)
+
+    def stop(self) -> None:
+        self.server.stop()
 
     def _body(self, prompt, new):
         return {
@@ -327,7 +284,8 @@ class Outcome:
     load: dict[str, float] = field(default_factory=dict)
 
 
-def _ids(rng: np.random.Generator, n: int) -> list[int]:
+def random_ids(rng: np.random.Generator, n: int) -> list[int]:
+    """``n`` prompt token ids clear of the special tokens (also profile_engine.py's)."""
     return rng.integers(VOCAB_LO, VOCAB_HI, n).tolist()
 
 
@@ -359,11 +317,12 @@ def agent_run(srv: Server, sz: Sizes, seed: int, drops: bool) -> tuple[float, li
     request says, for every turn j >= 1, drop tool output j-1 once tool output j is appended
     (the same ops on every later turn, as AKV clients send them)."""
     rng = np.random.default_rng(seed)
-    system = _ids(rng, sz.system)
+    system = random_ids(rng, sz.system)
     plans = []
     for _ in range(sz.conversations):
-        task = _ids(rng, sz.task)
-        tools = [_ids(rng, int(rng.integers(sz.tool - 50, sz.tool + 51))) for _ in range(sz.turns)]
+        task = random_ids(rng, sz.task)
+        tools = [random_ids(rng, int(rng.integers(sz.tool - 50, sz.tool + 51)))
+                 for _ in range(sz.turns)]
         plans.append((task, tools))
 
     def conversation(task, tools):
@@ -392,24 +351,24 @@ def run_workloads(srv: Server, sz: Sizes, seed: int, agent: bool) -> Outcome:
         res.load[name] = os.getloadavg()[0]
 
     # decode, one stream
-    times, ids = srv.stream(_ids(rng, sz.prompt), sz.new)
+    times, ids = srv.stream(random_ids(rng, sz.prompt), sz.new)
     assert len(ids) == sz.new, (srv.name, len(ids))
     res.figures["decode1_tok_s"] = (sz.new - 1) / (times[-1] - times[0])
     res.outputs["decode1"] = ids
     load("decode1")
     # 8 streams, output tokens over the wall time, prefill included
-    prompts = [_ids(rng, sz.prompt) for _ in range(sz.streams)]
+    prompts = [random_ids(rng, sz.prompt) for _ in range(sz.streams)]
     t0 = time.perf_counter()
     outs = _parallel([lambda p=p: srv.generate([p], sz.new) for p in prompts])
     res.figures["decode8_tok_s"] = sz.streams * sz.new / (time.perf_counter() - t0)
     res.outputs["decode8"] = outs
     load("decode8")
     # cold prefill, then the same + 100 tokens with its prefix cached
-    cold = _ids(rng, sz.cold)
+    cold = random_ids(rng, sz.cold)
     t0 = time.perf_counter()
     res.outputs["cold"] = srv.generate([cold], 1)
     res.figures["cold_ttft_s"] = time.perf_counter() - t0
-    longer = cold + _ids(rng, sz.extra)
+    longer = cold + random_ids(rng, sz.extra)
     t0 = time.perf_counter()
     res.outputs["cached"] = srv.generate([longer], 1)
     res.figures["cached_ttft_s"] = time.perf_counter() - t0
@@ -432,11 +391,11 @@ def warm_up(srv: Server, sz: Sizes, agent: bool = True) -> None:
     carry cache operations: without this the first drop requests paid for step shapes the
     plain ones never use, inside the timed run)."""
     rng = np.random.default_rng(12345)
-    srv.stream(_ids(rng, sz.prompt), 4)
-    _parallel([lambda: srv.generate([_ids(rng, sz.prompt)], 4) for _ in range(sz.streams)])
-    p = _ids(rng, sz.cold)
+    srv.stream(random_ids(rng, sz.prompt), 4)
+    _parallel([lambda: srv.generate([random_ids(rng, sz.prompt)], 4) for _ in range(sz.streams)])
+    p = random_ids(rng, sz.cold)
     srv.generate([p], 1)
-    srv.generate([p + _ids(rng, sz.extra)], 1)
+    srv.generate([p + random_ids(rng, sz.extra)], 1)
     if agent:
         short = dataclasses.replace(sz, turns=min(3, sz.turns))
         agent_run(srv, short, 54321, drops=False)
@@ -445,24 +404,18 @@ def warm_up(srv: Server, sz: Sizes, agent: bool = True) -> None:
 
 
 # ---------------------------------------------------------------------------- HF folder
-def gguf_path() -> Path:
-    sys.path.insert(0, str(ROOT))
-    from converters.loading import default_gguf_path
-
-    return default_gguf_path()
-
-
 def hf_folder(vllm_python: str, cache: Path) -> Path:
     """SmolLM2 as an HF folder vLLM loads, converted once by the vLLM venv's transformers."""
     out = cache / MODEL_NAME
     if (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file():
         return out
-    g = gguf_path()
+    # Here, not at the top: converters.loading imports jax, which the client process needs not.
+    from converters.loading import default_gguf_path
+
+    g = default_gguf_path()
     tmp = Path(tempfile.mkdtemp(dir=cache))
     subprocess.run([vllm_python, "-c", CONVERT, str(g.parent), g.name, str(tmp)], check=True)
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
     return out

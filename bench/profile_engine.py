@@ -38,11 +38,11 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from peers import Sizes, random_ids  # bench/peers.py: the agent workload's sizes, ids
 
 import akv_jax.serving.device_group as device_group
 import akv_jax.serving.engine as engine_mod
@@ -184,16 +184,13 @@ def run_scenario(eng: Engine, t: Timers, prompts: list[list[int]], new: int) -> 
 
 def run_agent(eng: Engine, t: Timers, turns: int, drops: bool, seed: int) -> tuple[float, list]:
     """peers.py's agent workload in process: its segments and cache operations, greedy."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import peers  # bench/peers.py: the workload's sizes and ids
-
     rng = np.random.default_rng(seed)
-    sz = peers.Sizes(turns=turns)
-    system = peers._ids(rng, sz.system)
+    sz = Sizes(turns=turns)
+    system = random_ids(rng, sz.system)
     convs = []
     for _ in range(sz.conversations):
-        task = peers._ids(rng, sz.task)
-        tools = [peers._ids(rng, int(rng.integers(sz.tool - 50, sz.tool + 51)))
+        task = random_ids(rng, sz.task)
+        tools = [random_ids(rng, int(rng.integers(sz.tool - 50, sz.tool + 51)))
                  for _ in range(turns)]
         convs.append({"segs": [system, task], "tools": tools, "turn": 0, "out": []})
     sp = SamplingParams(max_new_tokens=sz.agent_new, ignore_eos=True)

@@ -76,7 +76,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+from common import git_head
 
 from akv_jax.agent import launch
 from akv_jax.agent.cost import RATES, cost_usd, total_usage

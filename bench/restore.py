@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
+from common import interleaved_medians
 
 from akv_jax.cache.core import CacheOps, restore
 from akv_jax.cache.ops import OpHistory, parse_history
@@ -58,20 +57,6 @@ def agent_history(rng: np.random.Generator, n: int = 24):
         b = min(seg + 4, n - 1)
         drops.setdefault(str(b), []).append(seg)
     return segs, parse_history({"drop": drops, "reposition": [11, 19]}, n)
-
-
-def median_times(fns: dict, runs: int) -> dict[str, float]:
-    """Median wall time of each function; runs are interleaved round-robin so that a noisy
-    neighbour on this shared machine slows every contender alike."""
-    for fn in fns.values():
-        fn()  # compile / warm
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(runs):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -118,7 +103,7 @@ def main() -> None:
         )
         jax.block_until_ready((lg, st))
 
-    med = median_times(dict(one_pass=one_pass, op_by_op=op_by_op, plain=plain), args.runs)
+    med = interleaved_medians(dict(one_pass=one_pass, op_by_op=op_by_op, plain=plain), args.runs)
     t_one, t_ops, t_plain = med["one_pass"], med["op_by_op"], med["plain"]
     result = dict(
         model=dataclasses.asdict(SMALL),

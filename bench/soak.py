@@ -64,9 +64,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+from common import git_head, rss_mib
 
-from akv_jax.agent.launch import LocalServer
+from akv_jax.agent.launch import LocalServer, metrics
 from akv_jax.cache.ops import add_random_ops
 
 VOCAB = 512  # tiny_config's vocabulary
@@ -399,14 +399,10 @@ async def client_loop(
 # --------------------------------------------------------------------------- server side
 
 
-def rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
+def server_rss(srv: LocalServer) -> float | None:
+    """The server's VmRSS in MiB, to 0.1 (None once it is gone)."""
+    rss = rss_mib(srv.proc.pid)
+    return None if rss is None else round(rss, 1)
 
 
 def cache_entries(folder: Path) -> set[str]:
@@ -418,14 +414,6 @@ def cache_hits(stderr: list[str]) -> set[str]:
     return {m.group(1) for line in list(stderr) for m in [HIT.search(line)] if m}
 
 
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
-
-
 async def crash_and_restart(
     server: dict[str, Any], args_list: list[str], port: str, at: float, restart: Restart,
     info: dict[str, Any], env: dict[str, str], cache_dir: Path,
@@ -433,7 +421,7 @@ async def crash_and_restart(
     """SIGKILL the server at ``at`` and start it again with the same flags and port."""
     await asyncio.sleep(max(0.0, at - time.monotonic()))
     old: LocalServer = server["srv"]
-    info["rss_mib"]["first_before_kill"] = rss_mib(old.proc.pid)
+    info["rss_mib"]["first_before_kill"] = server_rss(old)
     before = cache_entries(cache_dir)
     restart.killed_at = time.monotonic()
     os.kill(old.proc.pid, signal.SIGKILL)
@@ -458,7 +446,7 @@ async def crash_and_restart(
         restart_hits_on_old_entries=len(hits & before),
     )
     info["_before_kill"] = before
-    info["rss_mib"]["restart_ready"] = rss_mib(new.proc.pid)
+    info["rss_mib"]["restart_ready"] = server_rss(new)
 
 
 async def sample_rss(server: dict[str, Any], start: float, deadline: float,
@@ -467,7 +455,7 @@ async def sample_rss(server: dict[str, Any], start: float, deadline: float,
     a process's life is a leak, a rise that levels off is compile and allocator caches."""
     while time.monotonic() < deadline:
         srv: LocalServer = server["srv"]
-        rss = rss_mib(srv.proc.pid)
+        rss = server_rss(srv)
         if rss is not None and srv.proc.poll() is None:
             out.append((round(time.monotonic() - start, 1), int(srv is not server["first"]), rss))
         await asyncio.sleep(5.0)
@@ -491,7 +479,7 @@ async def soak(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
     first = await asyncio.to_thread(LocalServer, server_args, 300.0, env)
     info["first_ready_s"] = round(time.monotonic() - t, 2)
     info["first_cache_hits"] = len(cache_hits(first.stderr_lines))
-    info["rss_mib"]["first_ready"] = rss_mib(first.proc.pid)
+    info["rss_mib"]["first_ready"] = server_rss(first)
     server = {"srv": first, "first": first}
     url = first.url
     port = url.rsplit(":", 1)[1]
@@ -527,14 +515,14 @@ async def soak(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
         leaked = None
         if srv.proc.poll() is None:
             end = time.monotonic() + 60
-            while time.monotonic() < end and (
-                metric(url, "akv_num_running_requests") + metric(url, "akv_num_waiting_requests")
+            while time.monotonic() < end and sum(
+                metrics(url)[k] for k in ("akv_num_running_requests", "akv_num_waiting_requests")
             ):
                 await asyncio.sleep(0.2)
             async with httpx.AsyncClient(base_url=url, timeout=args.timeout) as client:
                 await flush(client, 60.0)
-            leaked = int(metric(url, "akv_kv_pool_used_pages"))
-            info["rss_mib"]["restart_end"] = rss_mib(srv.proc.pid)
+            leaked = int(metrics(url)["akv_kv_pool_used_pages"])
+            info["rss_mib"]["restart_end"] = server_rss(srv)
             # Programs from before the kill that the restarted server loaded, by the end.
             info["restart_hits_by_end"] = len(cache_hits(srv.stderr_lines) & info["_before_kill"])
     finally:

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
+from common import git_head
 
 from akv_jax.agent import launch
 

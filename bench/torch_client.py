@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +15,18 @@ DEFAULT_TORCH_PYTHON = "/tmp/venvs/hf311/bin/python"
 
 
 class TorchWorker:
-    """``TorchWorker(python, "torch_decode_worker.py", threads)``: ``info`` is the worker's
-    ready line; ``call(**request)`` sends one request and returns its reply."""
+    """``TorchWorker(python, "decode", threads)`` runs bench/torch_worker.py in that mode:
+    ``info`` is the worker's ready line; ``call(**request)`` sends one request and returns its
+    reply."""
 
-    def __init__(self, python: str, script: str, threads: int):
+    def __init__(self, python: str, mode: str, threads: int):
         self.proc = subprocess.Popen(
-            [python, str(HERE / script), str(threads)],
+            [python, str(HERE / "torch_worker.py"), mode, str(threads)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            env={**os.environ, "PYTHONSAFEPATH": "1"},  # bench/ off sys.path (torch_worker.py)
         )
         self.info = self._read()
 
@@ -45,13 +46,13 @@ class TorchWorker:
         self.proc.wait(timeout=60)
 
 
-def start_workers(args: argparse.Namespace, script: str) -> dict[int, TorchWorker]:
-    """One ``script`` worker per ``--torch-threads`` count, or none (with a note on stderr)
+def start_workers(args: argparse.Namespace, mode: str) -> dict[int, TorchWorker]:
+    """One ``mode`` worker per ``--torch-threads`` count, or none (with a note on stderr)
     when the model is not the default SmolLM2 or there is no torch Python."""
     if args.model != "default":
         print("transformers runs only on the default model: akv_jax side only", file=sys.stderr)
     elif args.torch_python and Path(args.torch_python).exists():
-        return {n: TorchWorker(args.torch_python, script, n) for n in args.torch_threads}
+        return {n: TorchWorker(args.torch_python, mode, n) for n in args.torch_threads}
     else:
         print(f"no torch Python at {args.torch_python!r}: akv_jax side only", file=sys.stderr)
     return {}
@@ -69,7 +70,3 @@ def add_torch_args(ap: argparse.ArgumentParser) -> None:
         default=sorted({1, os.cpu_count() or 1}),
         help="torch thread counts to run; the ratio uses the fastest (default: 1 and all CPUs)",
     )
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")

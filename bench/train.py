@@ -15,7 +15,7 @@ clipping, so both run the same algorithm and their loss curves must agree (check
   computation transformers does; with ``--with-ops`` the same tokens are also trained as op
   histories (4 segments, segment 1 dropped and the rest repositioned after segment 2) and
   timed separately (``akv_jax_ops``; no transformers counterpart exists).
-* **transformers**: ``bench/torch_train_worker.py`` in a torch Python: ``model(ids,
+* **transformers**: ``bench/torch_worker.py train`` in a torch Python: ``model(ids,
   labels=ids)``, ``backward``, ``AdamW.step``, at each of ``--torch-threads`` thread counts
   (the fastest is the peer, as in bench/decode.py).
 
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from provenance import git_head  # bench/provenance.py: this script's folder is on sys.path
-from torch_client import add_torch_args, median, start_workers
+from common import git_head, median
+from torch_client import add_torch_args, start_workers
 
 from akv_jax.cache.ops import OpHistory, parse_history
 from akv_jax.train.example import TrainTrajectory
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = {"akv_jax": JaxTrainer(model, args, False, optim)}
     if args.with_ops:
         sides["akv_jax_ops"] = JaxTrainer(model, args, True, optim)
-    workers = start_workers(args, "torch_train_worker.py")
+    workers = start_workers(args, "train")
     vocab = model.cfg.vocab_size
     ids = np.random.default_rng(args.seed).integers(100, vocab - 100, (args.batch, args.seq_len))
     tokens = args.batch * args.seq_len

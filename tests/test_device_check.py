@@ -4,18 +4,13 @@ the parts' JSON when a part dies, and the summary line. The check itself runs on
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_support import bench_module
 
-PATH = Path(__file__).resolve().parents[1] / "bench" / "device_check.py"
-_spec = importlib.util.spec_from_file_location("device_check", PATH)
-dc = sys.modules["device_check"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(dc)
+dc = bench_module("device_check")
 
 
 @pytest.mark.parametrize("kind, name, gbps", [
