@@ -25,17 +25,12 @@ from openai.types.chat import completion_create_params
 from openai.types.responses import Response, ResponseStreamEvent
 
 from akv_jax.errors import InvalidField
+from akv_jax.serving.body_validation import validated
+from akv_jax.serving.chat_body import ChatBody
 from akv_jax.serving.protocol import Limits
-from akv_jax.serving.responses_api import (
-    ChatTranslation,
-    ResponseEvents,
-    ResponsesBody,
-    ToolCall,
-    Usage,
-    response_object,
-    to_chat,
-)
-from akv_jax.serving.schemas import ChatBody, validated
+from akv_jax.serving.responses_body import ResponsesBody
+from akv_jax.serving.responses_output import ResponseEvents, ToolCall, Usage, response_object
+from akv_jax.serving.responses_to_chat import ChatTranslation, to_chat
 
 MODEL = "akv-test-model"
 RID = "resp_0123abcd"

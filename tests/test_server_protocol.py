@@ -9,7 +9,10 @@ import pytest
 from akv_jax.cache.ops import CacheOpError, OpHistory
 from akv_jax.cache.timeline import timeline
 from akv_jax.errors import InvalidField
-from akv_jax.serving import protocol, schemas
+from akv_jax.serving import protocol
+from akv_jax.serving.body_validation import field_path
+from akv_jax.serving.chat_body import ChatBody
+from akv_jax.serving.generate_body import GenerateBody
 from akv_jax.serving.protocol import Limits
 from akv_jax.serving.types import SamplingParams
 
@@ -310,7 +313,7 @@ def test_errors_are_json_serialisable():
     ],
 )
 def test_pydantic_locations_in_api_notation(loc, field):
-    assert schemas.field_path(loc) == field
+    assert field_path(loc) == field
 
 
 def test_schema_errors_name_the_first_problem_and_its_value():
@@ -356,12 +359,12 @@ def test_sampling_fields_become_the_engines_params():
 
 
 def test_openapi_schema_of_the_bodies():
-    gen_schema = schemas.GenerateBody.model_json_schema()
+    gen_schema = GenerateBody.model_json_schema()
     assert gen_schema["required"] == ["input_ids"]
     assert gen_schema["additionalProperties"] is False
     assert set(gen_schema["properties"]) == {"input_ids", "cache", "sampling_params",
                                              "return_logprob", "stream"}
-    chat_schema = schemas.ChatBody.model_json_schema()
+    chat_schema = ChatBody.model_json_schema()
     assert "messages" in chat_schema["required"]
     content = chat_schema["$defs"]["Message"]["properties"]["content"]
     assert {"type": "string"} in content["anyOf"]  # a string or a list of text parts

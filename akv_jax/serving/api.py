@@ -32,6 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from akv_jax.errors import InvalidField
 from akv_jax.serving import protocol
 from akv_jax.serving.async_engine import AsyncEngine
+from akv_jax.serving.chat_body import ChatBody
+from akv_jax.serving.generate_body import GenerateBody
 from akv_jax.serving.metrics import CONTENT_TYPE, ServerMetrics
 from akv_jax.serving.openai_chat import ChatCompletions
 from akv_jax.serving.openai_responses import Responses
@@ -48,8 +50,7 @@ from akv_jax.serving.responses import (
     sse,
     unless_disconnected,
 )
-from akv_jax.serving.responses_api import ResponsesBody
-from akv_jax.serving.schemas import ChatBody, GenerateBody
+from akv_jax.serving.responses_body import ResponsesBody
 from akv_jax.serving.segment_memo import SegmentMemo
 from akv_jax.serving.types import GenerateRequest, SamplingParams
 

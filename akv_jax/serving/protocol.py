@@ -1,8 +1,9 @@
 """Request parsing for the HTTP API: raw bytes -> validated engine inputs, or an error.
 
-The body shapes are the pydantic models of :mod:`akv_jax.serving.schemas`; this module adds
-what no schema says, each rule stated once elsewhere and only called here: op histories and
-segments (:mod:`akv_jax.cache.ops`), the valid sampling ranges
+The body shapes are the pydantic models of :mod:`akv_jax.serving.generate_body` and
+:mod:`akv_jax.serving.chat_body`, run by :func:`akv_jax.serving.body_validation.validated`;
+this module adds what no schema says, each rule stated once elsewhere and only called here:
+op histories and segments (:mod:`akv_jax.cache.ops`), the valid sampling ranges
 (:func:`akv_jax.serving.sampler.invalid_param`), and converts the result into engine types.
 Every rejection is an :class:`~akv_jax.errors.InvalidField` naming the field and index
 (``input_ids[2][5]``, ``cache.drop["7"]``, ``messages[3].content``); the op-history and segment
@@ -21,8 +22,11 @@ import orjson
 
 from akv_jax.cache.ops import OpHistory, parse_history, validate_segments
 from akv_jax.errors import InvalidField
+from akv_jax.serving.body_fields import SamplingFields
+from akv_jax.serving.body_validation import validated
+from akv_jax.serving.chat_body import ChatBody, Message
+from akv_jax.serving.generate_body import GenerateBody
 from akv_jax.serving.sampler import invalid_param
-from akv_jax.serving.schemas import ChatBody, GenerateBody, Message, SamplingFields, validated
 from akv_jax.serving.segment_memo import SegmentMemo
 from akv_jax.serving.types import SamplingParams
 

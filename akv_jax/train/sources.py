@@ -50,7 +50,7 @@ from akv_jax.serving import protocol
 from akv_jax.train.example import TrainTrajectory
 
 DEFAULT_LOSS_ROLES = ("assistant",)
-# The roles a chat request may carry (schemas.Message); "function" is OpenAI's old tool role.
+# The roles a chat request may carry (chat_body.Message); "function" is OpenAI's old tool role.
 CHAT_ROLES = (*ROLES, "function")
 TOOL_ROLES = ("tool", "function")
 
