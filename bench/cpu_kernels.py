@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from common import git_head, interleaved_medians
 
-from akv_jax.pallas import cpu_attention, cpu_matmul
+from akv_jax.kernels.cpu import matmul as cpu_matmul
+from akv_jax.pallas import segment_attention_cpu as cpu_attention
 from akv_jax.pallas.chunked import segment_attention_chunked
 from akv_jax.pallas.metadata import SegmentSpec, build_segment_batch
 
