@@ -1,11 +1,15 @@
-"""Writes notebooks/training_under_ops.ipynb (run from the repo root); edit here, not the .ipynb."""
+"""The source of notebooks/training_under_ops.ipynb: edit here, not the .ipynb, then run
+`python notebooks/tools/build.py training_under_ops` (it executes the notebook as written, the
+SmolLM2 run: ~30 min on 2 CPU cores, and writes it with its outputs)."""
 
-import nbformat as nbf
+from nbformat.v4 import new_code_cell as code
+from nbformat.v4 import new_markdown_cell as md
 
-nb = nbf.v4.new_notebook()
-md, code = nbf.v4.new_markdown_cell, nbf.v4.new_code_cell
-nb.cells = [
-    md("""# Training under cache engineering
+
+def cells() -> list:
+    """The notebook's cells, in order."""
+    return [
+        md("""# Training under cache engineering
 
 A model that was never trained with dropped and repositioned context sees an unfamiliar view
 when AKV's rolling drop removes old tool outputs and a reposition re-encodes the remaining
@@ -20,13 +24,10 @@ counter passes a threshold. It plots the held-out loss under the cache-engineere
 (with the ops) against the full-context loss (the same conversations without the ops),
 before and after. The test suite runs it with the tiny random model and a few steps
 (`tests/test_train_cli.py`); the SmolLM2 run is marked slow."""),
-    code("""import json
+        code("""import json
 import tempfile
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from akv_jax.train import cli
@@ -42,13 +43,13 @@ RUN_ARGS = ["--lr", "1e-4", "--batch", "1", "--max-tokens", "256", "--max-segmen
             "--max-trajectories", "1", "--max-versions", "8", "--eval-every", "25"]
 FIGURE = "docs/training_under_ops.png"  # where the README's copy is written
 LOG_COPY = "bench/results/training_under_ops_smollm2_log.jsonl"  # the SmolLM2 run's log"""),
-    md("""## Data: synthetic agent conversations under AKV's rolling drop
+        md("""## Data: synthetic agent conversations under AKV's rolling drop
 Each conversation: a system prompt, the user's request (one setting across a project's config
 files), then per turn an assistant message (the value from the file just read, and the next
 `read_file` call) and the tool's output. `chat_records` adds the ops AKV's rolling drop sends:
 every tool output but the latest is dropped before the next assistant turn, and a reposition
 closes the gaps once the position counter reaches the threshold."""),
-    code("""tok = load_model(MODEL, placement="host").tokenizer
+        code("""tok = load_model(MODEL, placement="host").tokenizer
 work = Path(tempfile.mkdtemp(prefix="akv_train_"))
 chats = agent_chats(seed=0, count=TRAIN + EVAL, turns=TURNS, lines=LINES)
 # reposition once the position counter passes half a conversation's length
@@ -63,11 +64,11 @@ for i, m in enumerate(example["messages"]):
     print(f"{i:2} {m['role']:9} {m['content'][:60]!r}")
 print("cache:", json.dumps(example["cache"]))
 assert example["cache"]["drop"] and example["cache"]["reposition"]"""),
-    md("""## Fine-tune through the op history
+        md("""## Fine-tune through the op history
 The command line does the whole run (`python -m akv_jax.train`); here it runs in this
 process. It evaluates the held-out conversations under both views before the first step and
 every `--eval-every` steps."""),
-    code("""out = work / "run"
+        code("""out = work / "run"
 rc = cli.main(["--model-path", MODEL, "--data", str(work / "train.jsonl"),
                "--eval-data", str(work / "eval.jsonl"), "--out", str(out),
                "--steps", str(STEPS), "--no-progress", *RUN_ARGS])
@@ -83,8 +84,8 @@ print(f"before: eval loss with ops {before['eval_loss_ops']:.4f}, full context "
 print(f"after:  eval loss with ops {after['eval_loss_ops']:.4f}, full context "
       f"{after['eval_loss_full']:.4f}")
 assert after["eval_loss_ops"] < before["eval_loss_ops"]"""),
-    md("""## Held-out loss: cache-engineered view against full context"""),
-    code("""fig, ax = plt.subplots(figsize=(6, 3.5))
+        md("""## Held-out loss: cache-engineered view against full context"""),
+        code("""fig, ax = plt.subplots(figsize=(6, 3.5))
 steps = [e["step"] for e in evals]
 ax.plot(steps, [e["eval_loss_ops"] for e in evals], "o-", label="with ops (drop + repos)")
 ax.plot(steps, [e["eval_loss_full"] for e in evals], "s--", label="full context (no ops)")
@@ -100,6 +101,4 @@ if MODEL == "default":
     fig.savefig(FIGURE, dpi=120)
     Path(LOG_COPY).write_text((out / cli.LOG_NAME).read_text())
     print("saved", FIGURE, "and", LOG_COPY)"""),
-]
-nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nbf.write(nb, "notebooks/training_under_ops.ipynb")
+    ]
