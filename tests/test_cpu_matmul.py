@@ -1,5 +1,6 @@
 """The XLA:CPU matmul kernels (akv_jax/kernels/cpu/matmul.cc: few rows; gemm.cc: many)
-against float64 numpy, and where :func:`akv_jax.model.forward.project` uses them."""
+against float64 numpy; where the CPU projection backend (akv_jax/kernels/cpu/projection.py)
+uses them; and the CPU device group's weight layouts, which give the plain forward's bits."""
 
 from __future__ import annotations
 
@@ -11,18 +12,14 @@ import numpy as np
 import pytest
 
 from akv_jax.kernels.cpu import matmul as cpu_matmul
+from akv_jax.kernels.cpu.projection import CPU, PackedRef, PackedStack
+from akv_jax.kernels.projection import Adapted
 from akv_jax.model import presets
 from akv_jax.model.causal import BLOCK_Q, PAGE_SIZE, one_segment_batch
-from akv_jax.model.forward import (
-    KVPool,
-    KVWrites,
-    forward,
-    make_model_attention,
-    pack_layers,
-    project,
-)
+from akv_jax.model.forward import KVPool, KVWrites, forward, make_model_attention
 from akv_jax.model.params import init_params
 from akv_jax.model.rope import rope_table_for
+from akv_jax.serving.device_group import DeviceGroup, cpu_layouts
 
 
 def ffi_targets(jaxpr: str) -> set[str]:
@@ -232,9 +229,9 @@ def test_project_takes_kernels_for_float32_rows(eq, x_in, w_shape):
                                 (8, jnp.bfloat16, None)):
         x = jnp.asarray(rng.standard_normal((rows, *x_in)).astype(np.float32), dtype)
         wd = w.astype(dtype)
-        jaxpr = str(jax.make_jaxpr(lambda x, w: project(eq, x, w))(x, wd))
+        jaxpr = str(jax.make_jaxpr(lambda x, w: CPU(eq, x, w))(x, wd))
         assert ffi_targets(jaxpr) == ({target} if target else set()), (rows, dtype)
-        got = project(eq, x, wd)
+        got = CPU(eq, x, wd)
         want = np.einsum(eq, np.asarray(x, np.float64), np.asarray(wd, np.float64))
         tol = 1e-5 if dtype == jnp.float32 else 5e-2
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol,
@@ -250,7 +247,6 @@ def test_output_head_takes_kernel_for_decode_rows(tied):
     import dataclasses
 
     from akv_jax.model.forward import lm_logits
-    from akv_jax.model.params import init_params
     from akv_jax.model.presets import tiny_config
 
     cfg = dataclasses.replace(tiny_config(), tie_word_embeddings=tied)
@@ -273,33 +269,29 @@ def test_project_zeroes_rows_past_live_on_every_path():
     """Padding rows past ``live`` are zero whichever path a projection takes (the GEMM, the
     few-row kernel, a plain einsum, a LoRA-adapted weight), so that paths agree on every row
     (a merged adapter against its unmerged form, as training compares them)."""
-    from akv_jax.model.forward import Adapted
-
     rng = np.random.default_rng(5)
     w = jnp.asarray(rng.standard_normal((20, 48)).astype(np.float32))
     a = jnp.asarray(rng.standard_normal((20, 2)).astype(np.float32))
     b = jnp.asarray(rng.standard_normal((2, 48)).astype(np.float32))
     for rows, live in [(70, 41), (12, 5)]:  # the GEMM, the few-row kernel
         x = jnp.asarray(rng.standard_normal((rows, 20)).astype(np.float32))
-        kern = np.asarray(project("td,df->tf", x, w, jnp.int32(live)))
-        plain = np.asarray(project("td,df->tf", x, w))
+        kern = np.asarray(CPU("td,df->tf", x, w, jnp.int32(live)))
+        plain = np.asarray(CPU("td,df->tf", x, w))
         np.testing.assert_array_equal(kern[live:], 0)
         np.testing.assert_array_equal(kern[:live], plain[:live])
-        ein = np.asarray(project("td,df->tf", x, w.astype(jnp.bfloat16), jnp.int32(live)))
+        ein = np.asarray(CPU("td,df->tf", x, w.astype(jnp.bfloat16), jnp.int32(live)))
         np.testing.assert_array_equal(ein[live:], 0)
-        ad = np.asarray(project("td,df->tf", x, Adapted(w, a, b, 0.5), jnp.int32(live)))
+        ad = np.asarray(CPU("td,df->tf", x, Adapted(w, a, b, 0.5), jnp.int32(live)))
         np.testing.assert_array_equal(ad[live:], 0)
         np.testing.assert_allclose(ad[:live], (x @ w + 0.5 * (x @ a) @ b)[:live],
                                    rtol=1e-4, atol=1e-4)
 
 
 def test_project_gated_on_every_path():
-    """The MLP's ``project_gated`` takes the gated kernels where ``project`` takes a kernel
+    """The MLP's gated product takes the gated kernels where the plain one takes a kernel
     (from a plain or a packed weight; a packed one's few rows unpack it), XLA's silu
     elsewhere (32 rows, bfloat16, a LoRA-adapted weight); each is silu(gate) * (x @ w),
     zero past ``live``."""
-    from akv_jax.model.forward import Adapted, PackedRef, project_gated
-
     rng = np.random.default_rng(8)
     w = jnp.asarray(rng.standard_normal((20, 48)).astype(np.float32))
     a = jnp.asarray(rng.standard_normal((20, 2)).astype(np.float32))
@@ -314,7 +306,7 @@ def test_project_gated_on_every_path():
         x = jnp.asarray(rng.standard_normal((rows, 20)).astype(np.float32))
         gate = jnp.asarray(rng.standard_normal((rows, 48)).astype(np.float32))
         live_ = jnp.int32(live)
-        f = lambda x, gate: project_gated(x, weight, gate, live_)  # noqa: E731, B023
+        f = lambda x, gate: CPU.gated(x, weight, gate, live_)  # noqa: E731, B023
         targets = ffi_targets(str(jax.make_jaxpr(f)(x, gate)))
         assert (target in targets) if target else not (targets & {g, p, cpu_matmul.TARGET_GATED})
         got = np.asarray(f(x, gate), np.float64)
@@ -377,44 +369,72 @@ def test_packed_gemm_adds_the_residual(rows, k, n, live):
         cpu_matmul.matmul_packed(x, panels, jnp.int32(1), n, live_, gate=r, residual=r)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen3_moe", "minimax_m2"])
-def test_forward_from_packed_layers_is_the_forward(arch):
-    """A prefill forward whose layer scan reads the projections from :func:`pack_layers`'
-    panels (the serving DeviceGroup's on the CPU) gives the bits of the plain forward, for
-    models whose layer kinds alternate (GPT-OSS's windows; Qwen3-MoE's dense and MoE layers,
-    where a dense layer's row in its stack is not its index)."""
-    cfg = {"llama": lambda: presets.tiny_config("llama"), "gpt_oss": presets.tiny_gpt_oss_config,
-           "qwen3_moe": presets.tiny_qwen3_moe_config,
-           "minimax_m2": presets.tiny_minimax_m2_config}[arch]()
-    params = init_params(cfg, jax.random.key(3))
-    packed = pack_layers(params.layers)
-    assert set(packed) == ({"wq", "wk", "wv", "wo"} if arch in ("gpt_oss", "minimax_m2")
-                           else {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
-    n, t, pages = 90, 128, 8  # 90 tokens in a 128-row step: rows 90.. are padding
+ARCHS = {"llama": lambda: presets.tiny_config("llama"), "gpt_oss": presets.tiny_gpt_oss_config,
+         "qwen3_moe": presets.tiny_qwen3_moe_config,
+         "minimax_m2": presets.tiny_minimax_m2_config}
+
+
+def one_sequence_step(cfg, n: int, t: int, block_q: int, pages: int = 8):
+    """(tokens, positions, writes, batch) of a step of ``n`` new tokens padded to ``t`` rows
+    (rows ``n..``: padding, written nowhere) over an empty pool of ``pages`` pages."""
     tokens = np.zeros(t, np.int32)
-    tokens[:n] = np.random.default_rng(0).integers(1, cfg.vocab_size - 1, n)
+    tokens[:n] = np.random.default_rng(n).integers(1, cfg.vocab_size - 1, n)
     pos = np.arange(t, dtype=np.int32)
     slots = np.where(pos < n, pos, pages * PAGE_SIZE).astype(np.int32)
-    writes = KVWrites(slots=jnp.asarray(slots[None]), positions=jnp.asarray(pos[None]))
-    batch = one_segment_batch(0, n, BLOCK_Q, pages)
-    attention = make_model_attention(cfg, "auto", BLOCK_Q)
+    writes = KVWrites(slots=slots[None], positions=pos[None])
+    return tokens, pos, writes, one_segment_batch(0, n, block_q, pages)
 
-    @jax.jit
-    def run(params, packed):
-        kv = KVPool.zeros(cfg, pages, PAGE_SIZE)
-        return forward(params, cfg, jnp.asarray(tokens), jnp.asarray(pos), kv, writes, batch,
-                       rope_table_for(cfg), attention, logits_rows=jnp.arange(0, n, 3),
-                       packed=packed)  # 30 rows of logits: the head is not a GEMM
 
-    targets = ffi_targets(str(jax.make_jaxpr(run)(params, packed)))
-    assert cpu_matmul.TARGET_GEMM_PACKED in targets and cpu_matmul.TARGET_GEMM not in targets
-    # a dense MLP's up projection carries its activation (Qwen3-MoE's dense layers too);
-    # packed, the output projection without a bias (all but GPT-OSS's) its residual add
-    dense = arch in ("llama", "qwen3_moe")
-    assert (cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE in targets) == (arch != "gpt_oss")
-    assert (cpu_matmul.TARGET_GEMM_GATED in ffi_targets(str(jax.make_jaxpr(run)(params, {})))
-            ) == dense
-    (logits_p, kv_p), (logits, kv) = run(params, packed), run(params, {})
-    np.testing.assert_array_equal(np.asarray(logits_p), np.asarray(logits))
-    np.testing.assert_array_equal(np.asarray(kv_p.k), np.asarray(kv.k))
-    np.testing.assert_array_equal(np.asarray(kv_p.v), np.asarray(kv.v))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_cpu_layouts_give_the_plain_forwards_bits(arch):
+    """The CPU device group's layouts (prefill: stacks with the projections packed for the
+    GEMM, read in place by the layer scan; decode: per-layer weights, layers unrolled) give
+    the bits of the plain forward over the stacks as loaded, for models whose layer kinds
+    alternate (GPT-OSS's windows; Qwen3-MoE's dense and MoE layers, where a dense layer's
+    row in its stack is not its index); through the group's own step, logits and KV alike."""
+    cfg = ARCHS[arch]()
+    params = init_params(cfg, jax.random.key(3))
+    prefill, decode = cpu_layouts(cfg, params)
+    packed = {n for n, v in vars(prefill.layers).items() if isinstance(v, PackedStack)}
+    assert packed == ({"wq", "wk", "wv", "wo"} if arch in ("gpt_oss", "minimax_m2")
+                      else {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+    assert isinstance(decode.layers, tuple) and len(decode.layers) == cfg.num_layers
+    rope = rope_table_for(cfg)
+    # 90 tokens in a 128-row prefill (GEMM rows; 30 rows of logits: the head is no GEMM);
+    # decode steps of 1 (XLA's product) and 4 rows (the few-row kernel).
+    for n, t, block_q, rows in ((90, 128, BLOCK_Q, np.arange(0, 90, 3)), (1, 1, 1, None),
+                                (4, 4, 1, None)):
+        tokens, pos, writes, batch = one_sequence_step(cfg, n, t, block_q)
+        attention = make_model_attention(cfg, "auto", block_q)
+
+        @jax.jit
+        def run(params, tokens=tokens, pos=pos, writes=writes, batch=batch, attention=attention,
+                rows=rows):
+            kv = KVPool.zeros(cfg, 8, PAGE_SIZE)
+            return forward(params, cfg, jnp.asarray(tokens), jnp.asarray(pos), kv, writes,
+                           batch, rope, attention, logits_rows=rows)
+
+        want_logits, want_kv = run(params)
+        layout = prefill if block_q > 1 else decode
+        targets = ffi_targets(str(jax.make_jaxpr(run)(layout)))
+        if block_q > 1:
+            assert cpu_matmul.TARGET_GEMM_PACKED in targets
+            assert cpu_matmul.TARGET_GEMM not in targets
+            # packed, the output projection without a bias (all but GPT-OSS's) carries its
+            # residual add; a dense MLP's up projection its activation (Qwen3-MoE's dense
+            # layers too)
+            assert (cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE in targets) == (arch != "gpt_oss")
+            plain = ffi_targets(str(jax.make_jaxpr(run)(params)))
+            assert (cpu_matmul.TARGET_GEMM_GATED in plain) == (arch in ("llama", "qwen3_moe"))
+        got_logits, got_kv = run(layout)
+        np.testing.assert_array_equal(np.asarray(got_logits), np.asarray(want_logits))
+        np.testing.assert_array_equal(np.asarray(got_kv.k), np.asarray(want_kv.k))
+        np.testing.assert_array_equal(np.asarray(got_kv.v), np.asarray(want_kv.v))
+
+        group = DeviceGroup(cfg, params, 8, PAGE_SIZE, jnp.float32)
+        step_rows = np.arange(n) if rows is None else rows
+        out = group.forward(tokens, pos, writes, batch, rope, attention, step_rows,
+                            unrolled=block_q == 1)
+        np.testing.assert_array_equal(np.asarray(out.logits),
+                                      np.asarray(want_logits)[: len(step_rows)])
+        np.testing.assert_array_equal(np.asarray(group.kv.k), np.asarray(want_kv.k))

@@ -6,6 +6,10 @@
 * No test file imports from another ``test_*.py`` file: shared test helpers live in support
   modules (``ops_cases.py``, ``pallas_cases.py``, ``engine_cases.py``, ...), so a test file
   can be run, moved or deleted without breaking another.
+* The model knows no CPU kernel: no module under ``akv_jax/model/`` imports
+  ``akv_jax.kernels.cpu`` or a module in it (the forward is given its projection backend, as
+  it is given its attention), and ``akv_jax/pallas/`` holds no C++ kernel (``.cc``, ``.h``)
+  and no ``cpu_*`` file: those live in ``akv_jax/kernels/cpu/``.
 """
 
 from __future__ import annotations
@@ -135,4 +139,84 @@ def test_tests_import_helpers_only_from_support_modules():
     assert not found, (
         "test files import from other test files (move the helper to a support module):\n"
         + ("\n".join(found))
+    )
+
+
+CPU_KERNELS = "akv_jax.kernels.cpu"
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of a source file under the repository root."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> Iterator[tuple[ast.stmt, str]]:
+    """(statement, dotted name) for everything a file imports, relative imports resolved:
+    ``from a.b import c`` gives both ``a.b`` and ``a.b.c`` (``c`` may be a module)."""
+    package = module_name(path)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    for node in imports(path):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node, alias.name
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            base = ".".join([*anchor, base] if base else anchor)
+        yield node, base
+        for alias in node.names:
+            yield node, f"{base}.{alias.name}"
+
+
+def cpu_kernel_imports(directory: Path) -> list[str]:
+    """``file:line name`` for every import statement, in a file under ``directory``, of the
+    CPU kernels' package or a module in it (once a statement)."""
+    found: dict[str, str] = {}
+    for path in sorted(directory.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        for node, name in imported_modules(path):
+            if name == CPU_KERNELS or name.startswith(CPU_KERNELS + "."):
+                found.setdefault(where(path, node), name)
+    return [f"{at} imports {name}" for at, name in found.items()]
+
+
+def test_the_model_imports_no_cpu_kernel():
+    found = cpu_kernel_imports(ROOT / "akv_jax" / "model")
+    assert not found, "the model imports CPU kernel modules (give it a backend instead):\n" + (
+        "\n".join(found)
+    )
+
+
+def test_the_kernel_import_check_sees_every_form(tmp_path, monkeypatch):
+    """Absolute, aliased and relative imports of the package or a module in it are all found;
+    the projection interface beside it is not the CPU kernels."""
+    pkg = tmp_path / "akv_jax" / "model"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text(
+        "import akv_jax.kernels.cpu.matmul\n"
+        "from akv_jax.kernels.cpu import ffi as f\n"
+        "from akv_jax.kernels.projection import Projection\n"
+        "def g():\n"
+        "    from ..kernels import cpu\n"
+    )
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    found = cpu_kernel_imports(pkg)
+    assert [f.split(" imports ")[0] for f in found] == ["akv_jax/model/a.py:1",
+                                                         "akv_jax/model/a.py:2",
+                                                         "akv_jax/model/a.py:5"]
+
+
+def test_pallas_holds_no_cpu_kernel_file():
+    found = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "akv_jax" / "pallas").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+        and (path.suffix in (".cc", ".h") or path.name.startswith("cpu_"))
+    )
+    assert not found, "C++ kernels or cpu_* files under akv_jax/pallas/ (they belong in " + (
+        "akv_jax/kernels/cpu/):\n" + "\n".join(found)
     )

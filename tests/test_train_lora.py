@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from akv_jax.cache.ops import parse_history
-from akv_jax.model.forward import Adapted
+from akv_jax.kernels.projection import Adapted
 from akv_jax.model.params import seeded_params
 from akv_jax.model.presets import tiny_config
 from akv_jax.train.example import TrainTrajectory

@@ -33,13 +33,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from akv_jax.kernels.cpu import matmul as cpu_matmul
+from akv_jax.kernels.projection import LayerIndexed, Projection
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.moe import moe_mlp
-from akv_jax.model.params import LayerParams, Params, stack_layers, stack_row
-from akv_jax.pallas.dispatch import make_attention_fn
+from akv_jax.model.params import LayerParams, Params, stack_layers
+from akv_jax.pallas.dispatch import make_attention_fn, make_projection
 from akv_jax.pallas.metadata import AttentionFn, SegmentBatch
 from akv_jax.pallas.rotary import RopeTable, apply_rope, rotate_half_split
 
@@ -111,139 +110,9 @@ def _group_layer(cfg: ModelConfig, lps: LayerParams, period: int, j: int) -> Lay
     return LayerParams(**out)
 
 
-@dataclasses.dataclass(frozen=True)
-class Adapted:
-    """A projection weight with a low-rank update applied *unmerged* (LoRA, built by
-    :mod:`akv_jax.train.lora`): ``x @ base + scale * (x @ a) @ b``, never forming
-    ``base + scale * a @ b``. ``a`` [..., in..., r] and ``b`` [..., r, out...] carry the same
-    leading (layer) axes as ``base``, so the layer scan slices all three alike."""
-
-    base: jax.Array
-    a: jax.Array
-    b: jax.Array
-    scale: float
-
-
-jax.tree_util.register_dataclass(Adapted, data_fields=["base", "a", "b"], meta_fields=["scale"])
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedRef:
-    """A projection weight as one layer of a stack packed for the CPU GEMM
-    (:func:`pack_layers`): ``panels`` [L, P, K, NR], its row ``layer`` (int32 scalar) and the
-    layer's weight shape [in..., out...]. A prefill's layer scan takes these in place of the
-    weights it would slice out of the stacks."""
-
-    panels: jax.Array
-    layer: jax.Array
-    shape: tuple[int, ...]
-
-
-jax.tree_util.register_dataclass(PackedRef, data_fields=["panels", "layer"],
-                                 meta_fields=["shape"])
-
-# The projection weights :func:`project` takes, with how many leading axes of each it
-# contracts (wo [Hq, Dh, D] contracts its heads and head dim).
+# The projection weights, with how many leading axes of each a projection contracts
+# (wo [Hq, Dh, D] contracts its heads and head dim): what a backend's layout may repack.
 PROJECTION_IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
-
-
-def pack_layers(layers: LayerParams) -> dict[str, jax.Array]:
-    """The float32 projection stacks of ``layers`` packed for the CPU GEMM
-    (``cpu_matmul.pack_panels``), for :func:`forward`'s ``packed``: empty where that kernel
-    is not built. A copy of the weights, made once (by the serving DeviceGroup on the CPU):
-    each prefill layer then neither slices its weights out of the stacks (XLA:CPU copies a
-    dynamic slice that feeds a custom call) nor has the GEMM pack them."""
-    if not cpu_matmul.packs():
-        return {}
-    out = {}
-    for name, n_in in PROJECTION_IN_AXES.items():
-        w = getattr(layers, name)
-        if isinstance(w, jax.Array) and w.dtype == jnp.float32:
-            k = int(np.prod(w.shape[1 : 1 + n_in]))
-            out[name] = cpu_matmul.pack_panels(w.reshape(w.shape[0], k, -1))
-    return out
-
-
-def _packed_refs(cfg: ModelConfig, lp: LayerParams, packed: dict[str, jax.Array],
-                 layer: jax.Array) -> LayerParams:
-    """``lp`` (layer ``layer``) with each weight it has that ``packed`` holds as a
-    :class:`PackedRef` to its row in its stack (the layer's own slice is then unused and
-    XLA drops it). A dense-MLP field's row is not the layer's index in a model that mixes
-    MoE and dense layers."""
-    refs = {}
-    for name, panels in packed.items():
-        w = getattr(lp, name)
-        if w is not None:  # layer -> its row in the stack (0 where it has none: unused)
-            rows = [stack_row(cfg, name, i) or 0 for i in range(cfg.num_layers)]
-            refs[name] = PackedRef(panels, jnp.asarray(rows, jnp.int32)[layer], w.shape)
-    return dataclasses.replace(lp, **refs)
-
-
-def project(eq: str, x: jax.Array, w, live: jax.Array | None = None,
-            residual: jax.Array | None = None) -> jax.Array:
-    """:func:`project_only`, plus ``residual`` (the output's shape) when given: from packed
-    float32 weights on the CPU the GEMM adds it to each block as it lands (the bits of the
-    add after the product, without XLA's pass over both)."""
-    if residual is not None and isinstance(w, PackedRef):
-        x2 = x.reshape(x.shape[0], -1)
-        if (cpu_matmul.applies_packed(x2, w.panels) and residual.dtype == x2.dtype
-                and cpu_matmul.epilogues()):
-            r2 = residual.reshape(x.shape[0], -1)
-            y = cpu_matmul.matmul_packed(x2, w.panels, w.layer, r2.shape[1], live,
-                                         residual=r2)
-            return y.reshape(residual.shape)
-    y = project_only(eq, x, w, live)
-    return y if residual is None else residual + y
-
-
-def project_only(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Array:
-    """``einsum(eq, x, w)`` for a projection weight ``w`` (contracting every non-token axis
-    of ``x``), or its :class:`Adapted` form. Float32 rows on the CPU take the kernels of
-    :mod:`akv_jax.pallas.cpu_matmul` (a decode step's few rows: XLA's small-GEMM path is
-    compute-bound where they should run at the memory's speed; a prefill's many: a blocked
-    GEMM whose rows do not depend on the batch around them, which skips the rows from
-    ``live`` on, a step's padding: see :func:`live_rows`). Rows from ``live`` on are zero
-    on every path. ``w`` may be a :class:`PackedRef` (the GEMM reads its panels where its
-    rows take the GEMM; else it is unpacked: the same bits either way)."""
-    if isinstance(w, PackedRef):
-        x2 = x.reshape(x.shape[0], -1)
-        n = int(np.prod(w.shape)) // x2.shape[1]
-        if cpu_matmul.applies_packed(x2, w.panels):
-            y = cpu_matmul.matmul_packed(x2, w.panels, w.layer, n, live)
-            return y.reshape(x.shape[0], *w.shape[x.ndim - 1 :])
-        w = cpu_matmul.unpack_panels(w.panels, w.layer, n).reshape(w.shape)
-    if not isinstance(w, Adapted):
-        xs, rest = eq.split(",")
-        ws, out = rest.split("->")
-        n_in = x.ndim - 1
-        # x [T, in...] and w [in..., out...] in that order: a plain [T, K] @ [K, N].
-        if ws[:n_in] == xs[1:] and out == xs[0] + ws[n_in:]:
-            x2 = x.reshape(x.shape[0], -1)
-            w2 = w.reshape(x2.shape[1], -1)
-            if cpu_matmul.applies(x2, w2):
-                y = cpu_matmul.matmul(x2, w2, live)  # zeros past ``live`` already
-                return y.reshape(x.shape[0], *w.shape[n_in:])
-        return cpu_matmul.zero_past(jnp.einsum(eq, x, w), live)
-    n_in = x.ndim - 1
-    low = jnp.tensordot(x, w.a, axes=n_in)  # [T, r]
-    y = jnp.einsum(eq, x, w.base) + w.scale * jnp.tensordot(low, w.b, axes=1)
-    return cpu_matmul.zero_past(y, live)  # every path agrees on the padding rows
-
-
-def project_gated(x: jax.Array, w, gate: jax.Array, live: jax.Array | None = None) -> jax.Array:
-    """SwiGLU's ``silu(gate) * (x @ w)`` for the up projection ``w`` [D, F] (or its
-    :class:`PackedRef` / :class:`Adapted` form), ``x`` [T, D], ``gate`` [T, F]. Where
-    :func:`project`'s rows take a CPU kernel the activation is the kernel's epilogue
-    (``cpu_matmul.matmul_gated``: one pass, where XLA read the gate and up outputs back;
-    the same bits from every kernel and from packed weights); elsewhere
-    ``jax.nn.silu(gate) * project(...)``. Rows from ``live`` on are zero on every path."""
-    if isinstance(w, PackedRef):
-        if cpu_matmul.applies_packed(x, w.panels) and cpu_matmul.epilogues():
-            return cpu_matmul.matmul_packed(x, w.panels, w.layer, gate.shape[1], live, gate)
-        w = cpu_matmul.unpack_panels(w.panels, w.layer, gate.shape[1]).reshape(w.shape)
-    if isinstance(w, jax.Array) and cpu_matmul.applies_gated(x, w):
-        return cpu_matmul.matmul_gated(x, w, gate, live)
-    return jax.nn.silu(gate) * project("td,df->tf", x, w, live)
 
 
 @jax.tree_util.register_dataclass
@@ -318,14 +187,14 @@ def _bias(y: jax.Array, b: jax.Array | None) -> jax.Array:
 
 def attention_inputs(
     cfg: ModelConfig, lp: LayerParams, x: jax.Array, q_positions: jax.Array, rope: RopeTable,
-    live: jax.Array | None = None,
+    live: jax.Array | None, proj: Projection,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first half of a layer: (q rotated to ``q_positions``, k *unrotated*, v), [T, H, Dh].
-    ``live``: see :func:`live_rows`."""
+    ``live``: see :func:`live_rows`; ``proj``: the projection backend."""
     h = _norm(cfg, x, lp.attn_norm)
-    q = _bias(project("td,dhk->thk", h, lp.wq, live), lp.bq)
-    k = _bias(project("td,dhk->thk", h, lp.wk, live), lp.bk)
-    v = _bias(project("td,dhk->thk", h, lp.wv, live), lp.bv)
+    q = _bias(proj("td,dhk->thk", h, lp.wq, live), lp.bq)
+    k = _bias(proj("td,dhk->thk", h, lp.wk, live), lp.bk)
+    v = _bias(proj("td,dhk->thk", h, lp.wv, live), lp.bv)
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
@@ -336,27 +205,27 @@ def attention_inputs(
 
 
 def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array,
-                 live: jax.Array | None = None) -> jax.Array:
+                 live: jax.Array | None, proj: Projection) -> jax.Array:
     """The second half of a layer: output projection, residual, MLP (or MoE), residual. The
     layer is MoE when ``lp`` holds a router. ``live``: see :func:`live_rows`."""
     attn = attn.astype(x.dtype)
     if lp.bo is None:
-        x = project("thk,hkd->td", attn, lp.wo, live, residual=x)
+        x = proj.add("thk,hkd->td", attn, lp.wo, x, live)
     else:
-        x = x + _bias(project("thk,hkd->td", attn, lp.wo, live), lp.bo)
+        x = x + _bias(proj("thk,hkd->td", attn, lp.wo, live), lp.bo)
     h = _norm(cfg, x, lp.mlp_norm)
     if lp.router is not None:
         return x + moe_mlp(cfg, lp, h)
-    gate = project("td,df->tf", h, lp.w_gate, live)
-    act = project_gated(h, lp.w_up, gate, live)
-    return project("tf,fd->td", act, lp.w_down, live, residual=x)
+    gate = proj("td,df->tf", h, lp.w_gate, live)
+    act = proj.gated(h, lp.w_up, gate, live)
+    return proj.add("tf,fd->td", act, lp.w_down, x, live)
 
 
 def live_rows(batch: SegmentBatch) -> jax.Array:
     """The end of the last query block's rows: rows past it are a step's padding (its
     tokens padded to the next bucket), which no block reads and whose keys and values are
     written nowhere, so their hidden states may be anything; the projections skip them
-    (``cpu_matmul.matmul``'s ``live``). Every row a block reads lies before it."""
+    (a backend's ``live``). Every row a block reads lies before it."""
     ends = jnp.where(batch.block_seg >= 0, batch.block_q_start + batch.block_q_len, 0)
     return jnp.max(ends).astype(jnp.int32)
 
@@ -373,6 +242,7 @@ def decoder_layer(
     batch: SegmentBatch,
     rope: RopeTable,
     attention: AttentionFn,
+    proj: Projection,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Decoder layer ``layer`` on the all-layer pools [L, P, ps, Hkv, Dh]: (x, k_all, v_all).
 
@@ -381,7 +251,7 @@ def decoder_layer(
     per layer and step, which made step time grow with the pool size.
     """
     live = live_rows(batch)
-    q, k, v = attention_inputs(cfg, lp, x, q_positions, rope, live)
+    q, k, v = attention_inputs(cfg, lp, x, q_positions, rope, live, proj)
     ps = k_all.shape[2]
     for w in range(writes.slots.shape[0]):  # W is small and static (position versions)
         kw = rope_scaled(k, writes.positions[w], rope, cfg.rope.attention_scaling())
@@ -393,19 +263,19 @@ def decoder_layer(
         attn = attention(q, k_all, v_all, batch, layer=layer)
     else:
         attn = attention(q, k_all, v_all, batch, layer=layer, sinks=lp.sinks)
-    return layer_output(cfg, lp, x, attn, live), k_all, v_all
+    return layer_output(cfg, lp, x, attn, live, proj), k_all, v_all
 
 
-def split_layers(cfg: ModelConfig, layers: LayerParams) -> list[LayerParams]:
-    """Every layer's params as arrays of their own (a copy), for :func:`forward`'s
-    ``layer_list``. Called outside jit."""
+def split_layers(cfg: ModelConfig, layers: LayerParams) -> tuple[LayerParams, ...]:
+    """Every layer's params as arrays of their own (a copy): ``params.layers`` for
+    :func:`forward` to run unrolled. Called outside jit."""
     period = layer_period(cfg)
     grouped = _grouped_layers(cfg, layers, period)
-    return [
+    return tuple(
         _group_layer(cfg, jax.tree.map(lambda a, g=g: a[g], grouped), period, j)
         for g in range(cfg.num_layers // period)
         for j in range(period)
-    ]
+    )
 
 
 def forward(
@@ -419,44 +289,40 @@ def forward(
     rope: RopeTable,
     attention: Attention,
     logits_rows: jax.Array | None = None,
-    layer_list: list[LayerParams] | None = None,
-    packed: dict[str, jax.Array] | None = None,
+    projection: Projection | None = None,
 ) -> tuple[jax.Array, KVPool]:
     """Run the decoder on ``tokens`` [T] and return (float32 logits, updated pool).
 
     ``attention``: one function for every layer, or an :class:`AttentionByType` (see
     :func:`make_model_attention`). ``logits_rows`` [N] selects which rows get logits (all
     rows when None); prefill only needs the last row of each request, which saves the
-    vocabulary matmul elsewhere.
+    vocabulary matmul elsewhere. ``projection``: the backend of every product by a weight
+    (default: the platform's, ``akv_jax.pallas.dispatch.make_projection``), which takes
+    ``params`` in its layout.
 
-    ``layer_list`` (:func:`split_layers` of ``params.layers``): run the layers unrolled over
-    these per-layer arrays instead of a scan over the stacks. On the CPU a scan step slices
-    its layer's weights out of the stacks with a copy (XLA:CPU does not fuse a
-    dynamic-slice into a dot), so a small-batch decode, which only streams the weights,
-    reads them three times over; unrolled over arrays of their own it reads them once.
-
-    ``packed`` (:func:`pack_layers` of ``params.layers``): the scan's projections read
-    these packed stacks at their layer's row instead (a prefill's GEMM then copies no
-    weights: the slices and the GEMM's own packing were 2-3% of a 2,000-token prefill).
+    ``params.layers`` stacked (a :class:`LayerParams`) run as a scan over the layers; a
+    tuple of per-layer :class:`LayerParams` (:func:`split_layers`) run unrolled, each layer
+    reading arrays of its own: XLA:CPU copies the weights a scan step slices out of the stacks
+    (it does not fuse a dynamic slice into a dot), which a small decode step, that only
+    streams the weights, pays for three times over.
     """
+    proj = projection or make_projection()
     x = params.embed[tokens]
 
     def run(lp, idx, fn: AttentionFn, carry):
-        if packed and layer_list is None:
-            lp = _packed_refs(cfg, lp, packed, idx)
-        return decoder_layer(cfg, lp, *carry, idx, q_positions, writes, batch, rope, fn)
+        return decoder_layer(cfg, lp, *carry, idx, q_positions, writes, batch, rope, fn, proj)
 
-    if layer_list is not None:
+    if isinstance(params.layers, tuple):
         fns = _layer_attention(cfg, attention)
         carry = (x, kv.k, kv.v)
-        for i, lp in enumerate(layer_list):
+        for i, lp in enumerate(params.layers):
             carry = run(lp, i, fns[i % len(fns)], carry)
         x, k_all, v_all = carry
     else:
         x, k_all, v_all = _scan_layers(cfg, params.layers, attention, run, (x, kv.k, kv.v))
     if logits_rows is not None:
         x = x[logits_rows]
-    return lm_logits(params, cfg, x), KVPool(k=k_all, v=v_all)
+    return lm_logits(params, cfg, x, proj), KVPool(k=k_all, v=v_all)
 
 
 def forward_uncached(
@@ -470,6 +336,7 @@ def forward_uncached(
     batch: SegmentBatch,
     rope: RopeTable,
     attention: Attention,
+    projection: Projection | None = None,
 ) -> jax.Array:
     """:func:`forward` from an empty pool whose KV is not kept (training): float32 logits
     [T, V] of every row.
@@ -480,17 +347,19 @@ def forward_uncached(
     carried all-layer pool makes the backward save and sum a full pool-sized cotangent per
     layer, which made a SmolLM2 training step ~35x its forward and ran out of memory.
     """
+    proj = projection or make_projection()
     dtype = params.embed.dtype
     shape = (1, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     layer0 = jnp.zeros((), jnp.int32)
 
     def run(lp, idx, fn: AttentionFn, x):
         k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-        x, _, _ = decoder_layer(cfg, lp, x, k, v, layer0, q_positions, writes, batch, rope, fn)
+        x, _, _ = decoder_layer(cfg, lp, x, k, v, layer0, q_positions, writes, batch, rope, fn,
+                                proj)
         return x
 
     x = _scan_layers(cfg, params.layers, attention, run, params.embed[tokens])
-    return lm_logits(params, cfg, x)
+    return lm_logits(params, cfg, x, proj)
 
 
 def _layer_attention(cfg: ModelConfig, attention: Attention) -> list[AttentionFn]:
@@ -502,14 +371,27 @@ def _scan_layers(cfg: ModelConfig, layers: LayerParams, attention: Attention, ru
     """``carry = run(layer params, layer index, attention fn, carry)`` for every layer, as a
     scan over the stacked layers (over groups of one period when the layer kinds alternate:
     each layer in a group has its own static attention function (its window) and its MLP
-    weights from its kind's stack; the group body is unrolled)."""
+    weights from its kind's stack; the group body is unrolled). A backend's weights read in
+    place (:class:`~akv_jax.kernels.projection.LayerIndexed`) are not sliced: each layer that
+    has the field gets ``field.at(layer index)``."""
     fns = _layer_attention(cfg, attention)
     period = len(fns)
+    in_place = {f.name: getattr(layers, f.name) for f in dataclasses.fields(LayerParams)
+                if isinstance(getattr(layers, f.name), LayerIndexed)}
+    layers = dataclasses.replace(layers, **dict.fromkeys(in_place))
+    # The fields each position of a group has (group 0 is representative).
+    holds = [[name for name in in_place if j in stack_layers(cfg, name)] for j in range(period)]
+
+    def layer_params(lp: LayerParams, j: int, idx) -> LayerParams:
+        if not holds[j]:
+            return lp
+        return dataclasses.replace(lp, **{name: in_place[name].at(idx) for name in holds[j]})
+
     if period == 1:
 
         def body(carry, layer_in):
             lp, idx = layer_in
-            return run(lp, idx, fns[0], carry), None
+            return run(layer_params(lp, 0, idx), idx, fns[0], carry), None
 
         xs = (layers, jnp.arange(cfg.num_layers))
     else:
@@ -517,7 +399,9 @@ def _scan_layers(cfg: ModelConfig, layers: LayerParams, attention: Attention, ru
         def body(carry, group_in):
             lps, g = group_in
             for j in range(period):
-                carry = run(_group_layer(cfg, lps, period, j), g * period + j, fns[j], carry)
+                idx = g * period + j
+                lp = layer_params(_group_layer(cfg, lps, period, j), j, idx)
+                carry = run(lp, idx, fns[j], carry)
             return carry, None
 
         groups = cfg.num_layers // period
@@ -526,19 +410,12 @@ def _scan_layers(cfg: ModelConfig, layers: LayerParams, attention: Attention, ru
     return carry
 
 
-def lm_logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final norm and vocabulary projection of hidden states ``x`` [T, D] -> float32 [T, V]."""
+def lm_logits(params: Params, cfg: ModelConfig, x: jax.Array,
+              projection: Projection | None = None) -> jax.Array:
+    """Final norm and vocabulary projection of hidden states ``x`` [T, D] -> float32 [T, V]
+    (tied embeddings: against ``embed`` [V, D] itself)."""
+    proj = projection or make_projection()
     x = _norm(cfg, x, params.final_norm)
     if params.lm_head is None:
-        # Contract against embed [V, D] directly: writing ``embed.T`` makes XLA's CPU backend
-        # copy the whole transposed table on every call (3x slower decode head).
-        if cpu_matmul.applies_nt(x, params.embed):  # a few float32 decode rows on the CPU
-            logits = cpu_matmul.matmul_nt(x, params.embed)
-        else:
-            logits = jnp.einsum("td,vd->tv", x, params.embed,
-                                preferred_element_type=jnp.float32)
-    elif cpu_matmul.applies(x, params.lm_head):
-        logits = cpu_matmul.matmul(x, params.lm_head)
-    else:
-        logits = jnp.einsum("td,dv->tv", x, params.lm_head, preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32)
+        return proj.head(x, params.embed, tied=True)
+    return proj.head(x, params.lm_head, tied=False)

@@ -1,4 +1,5 @@
-"""Pick the attention and repos implementation for a backend flag and the running platform.
+"""Pick the attention, repos and projection implementations for a backend flag and the running
+platform.
 
 ``backend``:
 
@@ -17,7 +18,8 @@ The returned callables: ``attention(q, k_pages, v_pages, batch, layer=None, sink
 :func:`akv_jax.model.forward.forward` calls, and
 ``repos(k_pages, pages, old_pos, new_pos, table)``, which the server's re-rotated copies use
 (:mod:`akv_jax.serving.device_group`). This is the one factory of each: every path that
-attends or re-rotates (model, cache ops, server, benchmarks) gets its function here.
+attends or re-rotates (model, cache ops, server, benchmarks) gets its function here, and
+every forward its projection backend (:func:`make_projection`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any
 
 import jax
 
+from akv_jax.kernels.cpu.projection import CPU
+from akv_jax.kernels.projection import XLA, Projection
 from akv_jax.pallas import repos as repos_lib
 from akv_jax.pallas import segment_attention_cpu as cpu_fused
 from akv_jax.pallas.chunked import segment_attention_chunked
@@ -198,3 +202,11 @@ def make_repos_fn(
                                                             table)
 
     return repos
+
+
+def make_projection(platform: str | None = None) -> Projection:
+    """The projection backend for ``platform`` (default: the running one): on the CPU the C++
+    kernels' (:mod:`akv_jax.kernels.cpu.projection`: XLA's products for shapes its kernels do
+    not take, under a tensor-parallel mesh, and in a lowering for another platform);
+    elsewhere XLA's products."""
+    return CPU if (platform or jax.default_backend()) == "cpu" else XLA

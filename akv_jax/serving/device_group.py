@@ -1,5 +1,10 @@
 """The device side of the engine: one group of devices holding params and a KV pool.
 
+A group picks its projection backend once (:func:`akv_jax.pallas.dispatch.make_projection`)
+and holds the weights in the layouts that backend reads; on the CPU (:func:`cpu_layouts`) each
+projection weight per layer for decode and packed for prefill's GEMM, the loaded stacks
+dropped.
+
 Colocated serving uses one group (one device, or a ``("data", "tensor")`` mesh for
 ``--tp``). Disaggregated serving (``--disaggregate P,D``) uses two: prefill (and restores) run
 on the first, decode on the second, and the pages each writes are handed to the other
@@ -18,6 +23,7 @@ layer, and scattered to their destination slots.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -26,10 +32,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from akv_jax.kernels.cpu.projection import pack_stack
+from akv_jax.kernels.projection import Projection
 from akv_jax.model.config import ModelConfig
-from akv_jax.model.forward import Attention, KVPool, KVWrites, forward, pack_layers, split_layers
-from akv_jax.model.params import LayerParams, Params, logical_to_spec, make_mesh, shard_params
-from akv_jax.pallas.dispatch import make_repos_fn
+from akv_jax.model.forward import (
+    PROJECTION_IN_AXES,
+    Attention,
+    KVPool,
+    KVWrites,
+    forward,
+    split_layers,
+)
+from akv_jax.model.params import Params, logical_to_spec, make_mesh, shard_params, stack_row
+from akv_jax.pallas.dispatch import make_projection, make_repos_fn
 from akv_jax.pallas.metadata import SegmentBatch, bucket
 from akv_jax.pallas.rotary import RopeTable
 
@@ -68,19 +83,13 @@ class DeviceGroup:
             # (device_put), and a committed pool is another jit signature, so every step
             # shape warmed up with an uncommitted one would compile again mid-serving.
             kv = jax.device_put(kv, jax.local_devices()[0])
-        self.params = params
         self.kv = kv
-        # Decode on the CPU runs its layers unrolled over per-layer copies of the weights
-        # (see forward's ``layer_list``: 2.3x less weight traffic per decode step), at the
-        # price of holding the layer weights twice; prefill keeps the scan (compute-bound,
-        # and one compiled layer body keeps its many shapes quick to compile) ...
-        self.layer_list = None
-        self.packed = None
+        self.projection: Projection = make_projection()
+        # The weights prefill's and decode's forwards read: the same stacks, or on the CPU
+        # (one device) the layouts of cpu_layouts.
+        self.params = self.decode_params = params
         if self.mesh is None and jax.default_backend() == "cpu":
-            self.layer_list = split_layers(cfg, params.layers)
-            # ... and reads its projections from a third copy, packed for the GEMM
-            # (forward's ``packed``; SmolLM2: +0.5 GB, a 2,000-token prefill ~5% faster).
-            self.packed = pack_layers(params.layers)
+            self.params, self.decode_params = cpu_layouts(cfg, params)
 
     def forward(
         self,
@@ -94,10 +103,10 @@ class DeviceGroup:
         unrolled: bool = False,
     ) -> StepLogits:
         """Run one step; returns its logits rows and their greedy summary (still on device,
-        so dispatch stays async). ``unrolled``: run the layers unrolled where the group keeps
-        per-layer weights."""
+        so dispatch stays async). ``unrolled``: a decode step, which reads
+        :attr:`decode_params` (on the CPU, per-layer weights: the layers run unrolled)."""
         out, kv = forward_step(
-            self.params,
+            self.decode_params if unrolled else self.params,
             self.cfg,
             tokens,
             q_pos,
@@ -108,8 +117,7 @@ class DeviceGroup:
             attention,
             rows,
             mesh=self.mesh,
-            layer_list=self.layer_list if unrolled else None,
-            packed=None if unrolled else self.packed,
+            projection=self.projection,
         )
         self.kv = kv
         if not out.logits.is_fully_addressable:  # a mesh over several processes (multi-host)
@@ -128,6 +136,25 @@ class DeviceGroup:
         self.kv = rerotate_copy_pool(
             self.kv, *(jnp.asarray(a) for a in arr), rope, self._repos, mesh=self.mesh
         )
+
+
+def cpu_layouts(cfg: ModelConfig, params: Params) -> tuple[Params, Params]:
+    """The weights of a one-device CPU group: (prefill's, decode's). Decode runs its layers
+    unrolled over per-layer arrays (a scan step would copy the weights it slices: 2.3x the
+    weight traffic of a small decode step). Prefill keeps the scan, whose one compiled layer
+    body keeps its many shapes quick to compile, over stacks whose float32 projections are
+    packed for the GEMM (:class:`~akv_jax.kernels.cpu.projection.PackedStack`, read in place:
+    no copy of a weight per layer). So each projection weight is held twice, in the two
+    layouts the kernels read, and the stacks as loaded are not kept (docs/cpu-kernels.md)."""
+    packed = {}
+    for name, n_in in PROJECTION_IN_AXES.items():
+        rows = [stack_row(cfg, name, i) or 0 for i in range(cfg.num_layers)]
+        stack = pack_stack(getattr(params.layers, name), n_in, rows)
+        if stack is not None:
+            packed[name] = stack
+    prefill = dataclasses.replace(params, layers=dataclasses.replace(params.layers, **packed))
+    decode = dataclasses.replace(params, layers=split_layers(cfg, params.layers))
+    return prefill, decode
 
 
 def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None:
@@ -187,7 +214,8 @@ def masked_greedy(logits: jax.Array, rows: jax.Array, bits: jax.Array):
     return tok, jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - lse
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh"), donate_argnums=(4,))
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh", "projection"),
+                   donate_argnums=(4,))
 def forward_step(
     params: Params,
     cfg: ModelConfig,
@@ -200,20 +228,19 @@ def forward_step(
     attention: Attention,
     rows: jax.Array,
     mesh: jax.sharding.Mesh | None = None,
-    layer_list: list[LayerParams] | None = None,
-    packed: dict[str, jax.Array] | None = None,
+    projection: Projection | None = None,
 ) -> tuple[StepLogits, KVPool]:
     """One serving step. ``mesh``: the group's tensor-parallel mesh, made the context mesh
     so that the Pallas kernels run per head shard (see ``dispatch._per_head_shard``).
-    ``layer_list``: per-layer weights to run the layers unrolled; ``packed``: projection
-    stacks packed for the CPU GEMM (both: ``forward``)."""
+    ``projection``: the group's backend, which reads ``params`` in its layout (None: the
+    platform's, as ``forward``'s)."""
     if mesh is None:
         logits, kv = forward(params, cfg, tokens, q_pos, kv, writes, batch, rope, attention,
-                             rows, layer_list, packed)
+                             rows, projection)
     else:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             logits, kv = forward(params, cfg, tokens, q_pos, kv, writes, batch, rope,
-                                 attention, rows)
+                                 attention, rows, projection)
     return greedy_rows(logits), kv
 
 

@@ -297,10 +297,11 @@ def build_engine(args: argparse.Namespace):
             admission_window_s=args.admission_window_s,
             admission_max_wait_s=args.admission_max_wait_s,
         )
-        if isinstance(placement, str):  # "host": the groups hold their copies; free this one
-            import dataclasses
+        # The groups hold the weights in their own layouts (placed, sharded, or repacked for
+        # the CPU's kernels): free the loaded copy.
+        import dataclasses
 
-            model = dataclasses.replace(model, params=engine.executor.decode.params)
+        model = dataclasses.replace(model, params=engine.executor.decode.params)
         if not args.skip_warmup:
             # every process of a multi-host run warms up alike, in step
             warmup(engine, args.warmup_shapes)

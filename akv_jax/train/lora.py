@@ -5,7 +5,7 @@ params), a down matrix ``a`` [L, in..., r] and an up matrix ``b`` [L, r, out...]
 adapted weight is ``W + scale * a @ b`` with ``scale = alpha / r``. Two ways to apply it:
 
 * :func:`adapt`: for training. The params tree with each adapted projection replaced by an
-  :class:`akv_jax.model.forward.Adapted`; the forward then computes
+  :class:`akv_jax.kernels.projection.Adapted`; the forward then computes
   ``x W + scale (x a) b``, never forming the full-size update (the base weights stay frozen
   inputs; only ``a`` and ``b`` get gradients);
 * :func:`merge`: for serving. Plain params with ``W + scale * a @ b`` folded in, loadable
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from akv_jax.model.forward import Adapted
+from akv_jax.kernels.projection import Adapted
 from akv_jax.model.params import Params
 
 # Adaptable projections and how many leading (non-layer) axes of each are its input.

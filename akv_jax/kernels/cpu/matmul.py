@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.kernels.cpu import ffi
+from akv_jax.kernels.projection import zero_past
 
 TARGET = "akv_cpu_matmul"  # x [M, K] @ w [K, N], 2..MAX_ROWS rows
 TARGET_NT = "akv_cpu_matmul_nt"  # x [M, K] @ w [N, K]^T, 2..MAX_ROWS rows
@@ -202,15 +203,6 @@ def _live_operand(x: jax.Array, live: jax.Array | None) -> jax.Array:
     if live is None:
         return jnp.full((1,), x.shape[0], jnp.int32)
     return jnp.reshape(live, (1,)).astype(jnp.int32)
-
-
-def zero_past(y: jax.Array, live: jax.Array | None) -> jax.Array:
-    """``y`` [T, ...] with its rows from ``live`` on zeroed (``live`` None: ``y``), as the
-    GEMM returns them."""
-    if live is None:
-        return y
-    rows = jnp.arange(y.shape[0]).reshape(-1, *([1] * (y.ndim - 1)))
-    return jnp.where(rows < jnp.reshape(live, (-1,))[0], y, 0).astype(y.dtype)
 
 
 @jax.custom_vjp
