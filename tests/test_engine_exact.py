@@ -220,12 +220,13 @@ def test_warm_up_shapes_covers_the_steps_and_leaves_no_trace(model):
     m, dm = model
     eng = Engine(m, max_total_tokens=2048, page_size=8, attention_backend="reference",
                  prefill_chunk=128, max_running=8)
-    # 4,096 positions = one view bucket (512 pages); prefill T 64 and 128; decode 1, 4 and 8
-    # rows
-    assert eng.warm_up_shapes() == 5
+    # 4,096 positions = one view bucket (512 pages); prefill T 64 and 128, each with one
+    # segment and with several; decode 1, 4 and 8 rows
+    assert eng.warm_up_shapes() == 7
     assert eng.cache.pool.used_pages == 0 and not list(eng.cache.tree.root.children)
     compiled = forward_step._cache_size()
     reqs = [([list(range(1, 1 + n))], {"drop": {}, "reposition": []}) for n in (5, 70, 200)]
+    reqs.append(([list(range(1, 40)), list(range(40, 90))], {"drop": {}, "reposition": []}))
     check(dm, reqs, run(eng, reqs, concurrent=True))
     assert forward_step._cache_size() == compiled
 

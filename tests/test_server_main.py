@@ -111,7 +111,8 @@ def test_api_key_server():
 
 def test_warmup_shapes_and_chunked_prefill_server():
     """--warmup-shapes runs every step shape before the ready line (4,096 positions, chunk
-    128, 8 rows: prefill T 64 and 128, decode 1, 4 and 8 rows); a 300-token prompt then
+    128, 8 rows: prefill T 64 and 128 with one segment and with several, decode 1, 4 and 8
+    rows); a 300-token prompt then
     prefills in three slices and answers as the same prompt does on a server without
     chunking."""
     body = {"input_ids": [list(range(1, 151)), list(range(151, 301))],
@@ -127,7 +128,7 @@ def test_warmup_shapes_and_chunked_prefill_server():
         finally:
             srv.stop()
         if extra:
-            assert any("ran 5 step shapes" in line for line in srv.stderr_lines), srv.stderr_lines
+            assert any("ran 7 step shapes" in line for line in srv.stderr_lines), srv.stderr_lines
     assert len(outs[0]) == 4 and outs[0] == outs[1]
 
 

@@ -32,16 +32,10 @@ Work = Sequence[tuple[RequestState | None, Pass]]
 
 
 def token_bucket(n: int, block_q: int) -> int:
-    """Padded row count of a forward: decode rows 1, 4, or in half-octave steps from 8 (8,
-    16, 24, 32, 48, ...); prefill rows in quarter-octave steps, so a prompt just past a power
-    of two pays at most 25% padded rows in its matmuls, not 50% (2,100 rows: 2,560, not
-    3,072), for twice the prefill shapes.
-
-    A decode step streams the weights, so padding its rows costs more than it seems. A single
-    row is not padded: on the CPU a matrix-vector product runs at the memory's speed where an
-    8-row product is compute-bound. 2-4 rows share a 4-row shape (the agent workload's four
-    conversations), which the few-row kernel (:mod:`akv_jax.kernels.cpu.matmul`) runs faster
-    than 8 (figures: ``docs/cpu-kernels.md``). Every shape is a compile, so 5-7 rows share 8."""
+    """Padded row count of a forward: decode rows 1, 4, or in half-octave steps from 8;
+    prefill rows in quarter-octave steps (at most 25% padded rows). A decode step streams the
+    weights, so one row stays one (a matrix-vector product) and 2-4 rows share a 4-row shape;
+    every shape is a compile (figures: ``docs/cpu-kernels.md``)."""
     if block_q == 1:
         return 1 if n == 1 else 4 if n <= 4 else bucket(n, 8, steps_per_octave=2)
     return bucket(n, max(block_q, 64), steps_per_octave=4)
@@ -203,7 +197,9 @@ class Executor:
         tok_arr[: len(tokens)] = tokens
         qp = np.zeros(T, np.int32)
         qp[: len(q_pos)] = q_pos
-        ns = bucket(len(segs), 8)
+        # One segment (a turn's new message after a cached history) gets its own shape: the
+        # [segments, view] metadata of 7 padding segments grew with the history.
+        ns = 1 if len(segs) == 1 else bucket(len(segs), 8)
         batch = build_segment_batch(
             segs,
             page_size=ps,
@@ -230,25 +226,27 @@ class Executor:
 
     def warm_up_shapes(self, prefill_chunk: int, max_running: int) -> int:
         """Run every step shape of the common path once, so no request pays for a compile
-        (or, with the persistent cache, for tracing and loading one: ~0.7 s a shape for the
-        tiny model): prefill forwards of each token bucket up to ``prefill_chunk`` and decode
-        forwards of each row bucket up to ``max_running``, each at every view bucket up to
-        the position limit (one segment per request, no repos). The dummy rows write to the
-        sentinel slot (dropped) and see no KV, so the pool is untouched. Returns the number
-        of shapes run."""
+        (or, with the persistent cache, for tracing and loading one): prefill forwards of
+        each token bucket up to ``prefill_chunk``, with one segment and with several, and
+        decode forwards of each row bucket up to ``max_running``, each at every view bucket
+        up to the position limit (no repos). The dummy rows write to the sentinel slot
+        (dropped) and see no KV, so the pool is untouched. Returns the number of shapes
+        run."""
         ps = self.page_size
         sentinel = self.num_pages * ps
         views = distinct_buckets(
             -(-self.cfg.max_position_embeddings // ps), lambda n: view_bucket(n, ps)
         )
 
-        def dummy(n_rows: int, n_pages: int) -> Pass:
+        def dummy(n_rows: int, n_pages: int, n_segs: int = 1) -> Pass:
+            cuts = [i * n_rows // n_segs for i in range(n_segs + 1)]
             return Pass(
                 tokens=[0] * n_rows,
                 q_pos=[0] * n_rows,
                 writes=[[(sentinel, 0)] for _ in range(n_rows)],
-                segments=[SegmentSpec(q_start=0, q_len=n_rows, pages=[0] * n_pages,
-                                      kv_visible=np.zeros(n_pages * ps, bool), causal_pos=0)],
+                segments=[SegmentSpec(q_start=a, q_len=b - a, pages=[0] * n_pages,
+                                      kv_visible=np.zeros(n_pages * ps, bool), causal_pos=0)
+                          for a, b in zip(cuts, cuts[1:], strict=False)],
                 logits_row=n_rows - 1,
             )
 
@@ -256,8 +254,10 @@ class Executor:
         for n_pages in views:
             for n in distinct_buckets(prefill_chunk, lambda n: token_bucket(n, PREFILL_BLOCK_Q)):
                 if n <= n_pages * ps:
-                    jax.block_until_ready(self.run_prefill([(None, dummy(n, n_pages))]))
-                    shapes += 1
+                    for n_segs in (1, 2):  # one segment, and several (padded to 8)
+                        jax.block_until_ready(
+                            self.run_prefill([(None, dummy(n, n_pages, n_segs))]))
+                        shapes += 1
             for rows in distinct_buckets(max_running, lambda n: token_bucket(n, 1)):
                 jax.block_until_ready(self.run_decode([(None, dummy(1, n_pages))] * rows))
                 shapes += 1
