@@ -16,8 +16,7 @@ Two loops over the same plan, chosen by ``block_q`` (static):
   segments gathers each one's compacted visible pages, as far as its blocks reach, into a
   head-major buffer ``[Hkv, keys, Dh]``, and its blocks slice their chunks out of it. The
   scores are then one batched matmul per kv head over ``group x block_q`` query rows, with
-  no gather or transpose inside the chunk loop. Measured on SmolLM2 (9 query / 3 kv heads,
-  2 CPU cores): a 2,000-token cold prefill's forward 7.6 -> 4.0 s (``bench/profile_engine.py``).
+  no gather or transpose inside the chunk loop (figures: ``docs/cpu-kernels.md``).
 
 Both run the same online softmax (:func:`_softmax_step`).
 """
@@ -31,8 +30,7 @@ from akv_jax.pallas.metadata import NEG_INF, SegmentBatch
 from akv_jax.pallas.plan import blocks_of, plan_pages, row_window_starts
 
 # Keys per loop step. Each step costs a fixed overhead on the CPU; 512 keys keep it small next
-# to the work (measured: cold 20K-token prefills ~1.4x faster than with 128), at the price of
-# up to one partly used chunk per query block.
+# to the work, at the price of up to one partly used chunk per query block.
 CHUNK_KEYS = 512
 
 

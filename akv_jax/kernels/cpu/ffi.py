@@ -3,7 +3,7 @@
 Each source is compiled on first use with the system's C++ compiler (``$CXX``, else ``g++``
 or ``c++``; ``-O3 -march=native``) into ``$AKV_JAX_CACHE/kernels`` (default
 ``~/.cache/akv_jax/kernels``), keyed by a hash of the source, the flags, the compiler, the
-CPU and jax's version, so each machine builds its own once (~10 s). ``AKV_JAX_CPU_KERNEL=0``,
+CPU and jax's version, so each machine builds its own once. ``AKV_JAX_CPU_KERNEL=0``,
 no compiler, or a failed build (a warning says why) leave a kernel unregistered, and its
 callers keep their jnp path.
 """

@@ -43,9 +43,8 @@ using akv::W;
 
 // MR x NB accumulators, NB panel vectors and a broadcast in the CPU's vector registers.
 // AVX-512: 6 x 4 (24 + 4 + 1 of 32: each k step's 4 loads and 6 broadcasts feed 24
-// multiply-adds) rather than 14 x 2 (28 + 2 + 1; 16 loads and broadcasts for 28): SmolLM2's
-// 2,048-row products 1-4% faster on a Zen 4 host, alternating, same bits; 5 x 4, 9 x 3 and
-// 8 x 3 no better.
+// multiply-adds) rather than 14 x 2 (28 + 2 + 1; 16 loads and broadcasts for 28); figures
+// in docs/cpu-kernels.md.
 #ifdef __AVX512F__
 constexpr int NB = 4;
 constexpr int MR = 6;

@@ -12,9 +12,8 @@ namespace akv {
 
 // GCC vector extensions of the CPU's own register width (-march=native): 16 floats with
 // AVX-512, 8 with AVX2. A 16-float type on an AVX2 CPU is not a pair of registers to GCC
-// but a memory object: the GEMM's accumulators lived on the stack, shuffled through
-// general registers every step (this host, an AVX2 EPYC: the 2,048 x 576 x 1,536 product
-// 3-4x slower than with 8).
+// but a memory object: the GEMM's accumulators would live on the stack, shuffled through
+// general registers every step.
 #ifdef __AVX512F__
 constexpr int W = 16;
 #else
