@@ -27,18 +27,26 @@ class PoolTooSmall(RuntimeError):
     """A request that can never fit the KV pool as its prefix is stored."""
 
 
-def view_layout(tl: Timeline, view: list[Node], seg_seen: np.ndarray, page_size: int
-                ) -> tuple[np.ndarray, np.ndarray]:
+def view_layout(tl: Timeline, view: list[Node], seg_seen: np.ndarray, page_size: int,
+                one_seg: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(pages, slot visibility)`` of ``view`` for a reader that sees the tokens of the
-    segments where ``seg_seen`` holds, without the pages that hold no visible slot.
+    segments where ``seg_seen`` holds, without the pages that hold no visible slot
+    (``one_seg``: :func:`segments_of` the view, when the caller has it)."""
+    return joined(*view_pieces(tl, view, seg_seen, page_size, one_seg))
+
+
+def view_pieces(tl: Timeline, view: list[Node], seg_seen: np.ndarray, page_size: int,
+                one_seg: np.ndarray | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """:func:`view_layout` as per-node pieces, not yet joined (a longer view that starts
+    with this one extends them).
 
     Work per node, not per token: a token node lies in one segment, so it is wholly seen or
-    unseen (one array lookup for the whole view), and a prefix the session sent before
-    costs a list extension a node. Nodes are page-aligned, so dropping pages node by node
-    drops the same pages as over the whole view. An emptied node nothing here can see
-    stands in as page 0 with every slot invisible (the planner guarantees nobody attends
-    to it)."""
-    one_seg = segments_of(tl, view)
+    unseen (one array lookup for the whole view). Nodes are page-aligned, so dropping pages
+    node by node drops the same pages as over the whole view. An emptied node nothing here
+    can see stands in as page 0 with every slot invisible (the planner guarantees nobody
+    attends to it)."""
+    if one_seg is None:
+        one_seg = segments_of(tl, view)
     hit = seg_seen[one_seg] & (one_seg >= 0)
     pages: list[np.ndarray] = []
     vis: list[np.ndarray] = []
@@ -58,6 +66,11 @@ def view_layout(tl: Timeline, view: list[Node], seg_seen: np.ndarray, page_size:
         keep = pages_with_a_slot(slots.reshape(-1, page_size))
         pages.append(node_pages[keep])
         vis.append(slots.reshape(-1, page_size)[keep].reshape(-1))
+    return pages, vis
+
+
+def joined(pages: list[np.ndarray], vis: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`view_pieces` joined into one page list and one slot mask."""
     if not pages:
         return np.zeros(0, np.int32), np.zeros(0, bool)
     return np.concatenate(pages), np.concatenate(vis)
@@ -75,20 +88,24 @@ def segments_of(tl: Timeline, nodes: list[Node]) -> np.ndarray:
     return np.where((ends[:, 0] >= 0) & (segs[:, 0] == segs[:, 1]), segs[:, 0], -1)
 
 
-def seen(tl: Timeline, nodes: list[Node], seg_seen: np.ndarray) -> list[bool]:
+def seen(tl: Timeline, nodes: list[Node], seg_seen: np.ndarray,
+         one_seg: np.ndarray | None = None) -> list[bool]:
     """Per node, whether a reader that sees the segments where ``seg_seen`` holds sees any
     of its tokens."""
-    one_seg = segments_of(tl, nodes)
+    if one_seg is None:
+        one_seg = segments_of(tl, nodes)
     out = (seg_seen[one_seg] & (one_seg >= 0)).tolist()
     for i in np.flatnonzero(one_seg < 0).tolist():
         out[i] = bool(seg_seen[tl.token_seg[nodes[i].token_array()]].any())
     return out
 
 
-def seen_until(tl: Timeline, nodes: list[Node]) -> list[int]:
+def seen_until(tl: Timeline, nodes: list[Node], one_seg: np.ndarray | None = None
+               ) -> list[int]:
     """Per node, the last boundary before which any of its tokens is still attended
     (segment s sees it iff the value is >= s), -1 when it holds none."""
-    one_seg = segments_of(tl, nodes)
+    if one_seg is None:
+        one_seg = segments_of(tl, nodes)
     out = tl.drop_boundary[one_seg].tolist()
     for i in np.flatnonzero(one_seg < 0).tolist():
         toks = nodes[i].token_array()
@@ -112,6 +129,7 @@ class Planner:
     def __init__(self, cache: CacheManager):
         self.cache = cache
         self.page_size = cache.page_size
+        self.node_seg: dict[int, int] = {}  # the plan's path: node id -> its one segment or -1
 
     # ------------------------------------------------------------------ prefill
     def plan(self, r: RequestState, step: int, keep_used_after: float | None = None
@@ -142,8 +160,12 @@ class Planner:
             # Another request computes part of this path in this step, or in slices still to
             # run: its pages are not written yet (too late for this pass's pre-pass copies).
             return None
+        # Each node's segment, once for the plan (every step below asks it of some nodes).
+        self.node_seg = dict(zip((n.id for n in path), segments_of(r.tl, path).tolist(),
+                                 strict=True))
         view = final_view(path)
-        final = [v for v, ok in zip(view, seen(r.tl, view, r.tl.seg_active), strict=True) if ok]
+        final = [v for v, ok in zip(view, seen(r.tl, view, r.tl.seg_active, self.segs(view)),
+                                    strict=True) if ok]
         compute, needed = self.choose_compute(r, path, fresh, final)
         used = [n for n in path if n.id in compute or n.id in needed]
         # Needed KV that only the host tier holds is copied back, not recomputed.
@@ -210,6 +232,11 @@ class Planner:
             path[k : k + 1] = [cache.split(last, cut), last]
         return path, fresh
 
+    def segs(self, nodes: list[Node]) -> np.ndarray:
+        """:func:`segments_of` ``nodes`` (all on the plan's path), from the plan's memo."""
+        seg = self.node_seg
+        return np.fromiter((seg[n.id] for n in nodes), np.int64, len(nodes))
+
     def choose_compute(
         self, r: RequestState, path: list[Node], fresh: set[int], final: list[Node]
     ) -> tuple[set[int], set[int]]:
@@ -225,7 +252,8 @@ class Planner:
         # Per node, once: the fixpoint below then compares integers instead of rescanning
         # every view per computed node.
         kv_nodes = [n for n in path if n.kind != "drop"]
-        until = dict(zip((n.id for n in kv_nodes), seen_until(tl, kv_nodes), strict=True))
+        until = dict(zip((n.id for n in kv_nodes),
+                         seen_until(tl, kv_nodes, self.segs(kv_nodes)), strict=True))
         while True:
             needed = {v.id for v in final}
             view: list[Node] = []
@@ -256,6 +284,9 @@ class Planner:
         pass_row: dict[int, int] = {}  # abs token -> row in this pass
         src: dict[int, tuple[int, int]] = {}  # abs token -> (slot, pos) of a resident copy
         view: list[Node] = []
+        # The view the last computed token node read: (it, its length then, what it saw,
+        # its pieces). The final view usually starts with it, seen alike: extended, not redone.
+        read: tuple[list[Node], int, np.ndarray, tuple[list, list]] | None = None
         epoch = 0
         cached = 0
         # Resident copies are only sources of a computed repos node's copies.
@@ -273,7 +304,10 @@ class Planner:
                 slots = _slots(node.pages, len(node.key), ps)
                 if node.id in compute:
                     seg = int(tl.token_seg[node.tok_start])
-                    pages, vis = view_layout(tl, view, tl.drop_boundary >= seg, ps)
+                    seg_seen = tl.drop_boundary >= seg
+                    pieces = view_pieces(tl, view, seg_seen, ps, self.segs(view))
+                    read = (view, len(view), seg_seen, pieces)
+                    pages, vis = joined(*pieces)
                     p.segments.append(
                         SegmentSpec(
                             q_start=len(p.tokens),
@@ -320,7 +354,13 @@ class Planner:
                     src = {t: src.get(t) for t in held}
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
         p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
-        r.view_pages, r.view_visible = view_layout(tl, view, tl.seg_active, ps)
+        if read is not None and read[0] is view and np.array_equal(read[2], tl.seg_active):
+            more = view[read[1]:]
+            pages_more, vis_more = view_pieces(tl, more, tl.seg_active, ps, self.segs(more))
+            r.view_pages, r.view_visible = joined(read[3][0] + pages_more, read[3][1] + vis_more)
+        else:
+            r.view_pages, r.view_visible = view_layout(tl, view, tl.seg_active, ps,
+                                                       self.segs(view))
         r.view_nodes = final
         r.last_node = path[-1]
         r.prompt_last_node = path[-1]
