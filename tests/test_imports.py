@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED_DIRS = ("akv_jax", "converters", "bench", "tests", "scripts")
+CHECKED_DIRS = ("akv_jax", "converters", "bench", "tests", "scripts", "notebooks")
 # Packages imported by their dotted name from the repository root.
 OWN_PACKAGES = ("akv_jax", "converters", "bench", "tests")
 # Directories whose modules are imported by bare name (pytest puts tests/ on sys.path; the
