@@ -643,3 +643,46 @@ def test_multihost_a_killed_process_stops_the_other_with_a_clear_error(killed):
         assert took < 30
     finally:
         pair.close()
+
+
+# The follower's launcher: process 1 stops in its first forward and never returns.
+FOLLOWER_STALLS = """
+import sys, time
+from akv_jax.serving.executor import Executor
+
+Executor.run_prefill = lambda self, *a, **k: time.sleep(3600)
+from akv_jax.serving.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_multihost_a_stuck_process_stops_the_other_after_the_collective_timeout():
+    """A process that never reaches a collective (stuck, or out of step) does not leave its
+    peers waiting forever: on CPUs the leader's collective gives up after
+    --collective-timeout and it exits with a one-line error naming the flag."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coord = f"127.0.0.1:{s.getsockname()[1]}"
+    dist = ("--num-processes", "2", "--dist-coordinator", coord, "--collective-timeout", "5")
+    follower = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWER_STALLS, *MH_ARGS, *dist, "--process-id", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        t0 = time.monotonic()
+        leader = subprocess.run(
+            [sys.executable, "-m", "akv_jax.serving.main", "--port", "0", *MH_ARGS, *dist,
+             "--process-id", "0", "--log-level", "warning"],
+            capture_output=True, text=True, timeout=240,
+        )
+        took = time.monotonic() - t0
+    finally:
+        follower.kill()
+        follower.wait()
+    assert leader.returncode == 1, leader.stderr[-2000:]
+    err = _last_error(leader.stderr.splitlines())
+    assert re.match(PROG_ERROR + r".*the follower processes did not join a collective within "
+                    r"--collective-timeout: a process is stuck or out of step \(.*Timed out "
+                    r"waiting 5000ms", err), err
+    assert "Traceback" not in leader.stderr
+    assert took < 200

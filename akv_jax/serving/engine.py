@@ -48,7 +48,13 @@ from akv_jax.serving.admission import check_request
 from akv_jax.serving.cache_manager import CacheManager
 from akv_jax.serving.constrained_rows import MaskedGreedy
 from akv_jax.serving.executor import Executor
-from akv_jax.serving.multihost import MultihostError, digest, is_peer_loss, peer_failure
+from akv_jax.serving.multihost import (
+    MultihostError,
+    digest,
+    is_peer_loss,
+    is_timeout,
+    peer_failure,
+)
 from akv_jax.serving.planner import Planner, PoolTooSmall
 from akv_jax.serving.radix_keys import RequestKeys
 from akv_jax.serving.sampler import invalid_param, make_rng
@@ -345,7 +351,7 @@ class Engine:
         if jax.process_count() > 1:
             # Its collectives may have run on some processes and not on others: no process
             # can tell what the others' engines or KV hold any more.
-            if is_peer_loss(e):
+            if is_peer_loss(e) or is_timeout(e):
                 raise peer_failure(e) from e
             raise MultihostError(f"the {what} forward failed: {describe_error(e)}") from e
         log.error("the %s forward failed; failing its %d requests", what, len(work), exc_info=e)

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=0,
                    help="multi-host: this process's id (0 serves HTTP, the others follow)")
+    p.add_argument("--collective-timeout", type=_positive("--collective-timeout"), default=600,
+                   help="multi-host on CPUs: seconds a collective waits for its peers before "
+                        "it fails with an error (a stuck or out-of-step process)")
     p.add_argument("--disaggregate", type=_pair, default=None, metavar="P,D",
                    help="prefill on the first P devices, decode on the next D")
     p.add_argument("--api-key", default=None,
@@ -219,7 +222,8 @@ def init_distributed(args: argparse.Namespace) -> None:
     from akv_jax.serving.multihost import initialize
 
     try:
-        initialize(args.dist_coordinator, args.num_processes, args.process_id)
+        initialize(args.dist_coordinator, args.num_processes, args.process_id,
+                   args.collective_timeout)
     except Exception as e:
         raise StartupError(f"cannot join {args.dist_coordinator}: {e}") from None
 
@@ -393,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         server = build_server(args, sock, model, engine, lockstep=multi)
     except StartupError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
+        if multi:
+            _exit_now(e.code)  # a stuck peer would hold jax's shutdown barrier for minutes
         return e.code
     except KeyboardInterrupt:
         return 130

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import pickle
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,12 @@ def is_peer_loss(e: BaseException) -> bool:
                                    "heartbeat", "unhealthy", "UNAVAILABLE"))
 
 
+def is_timeout(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that gave up waiting for its peers (gloo words it so,
+    after ``--collective-timeout``)."""
+    return "Timed out waiting" in str(e)
+
+
 def peers() -> str:
     """The processes this one waits on in a collective, as its error messages name them:
     which collective notices a lost peer first is a race, so every collective on one
@@ -68,15 +75,28 @@ def peer_failure(e: BaseException, who: str | None = None) -> MultihostError:
     """The MultihostError for a collective that raised (``who``: the peers it waited on,
     by default :func:`peers`)."""
     who = who or peers()
+    if is_timeout(e):
+        return MultihostError(f"{who} did not join a collective within --collective-timeout: "
+                              f"a process is stuck or out of step ({describe_error(e)})")
     if is_peer_loss(e):
         return MultihostError(f"lost {who}: a process died or disconnected ({describe_error(e)})")
     return MultihostError(f"a collective with {who} failed: {describe_error(e)}")
 
 
-def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
+def initialize(coordinator: str, num_processes: int, process_id: int,
+               collective_timeout_s: int = 600) -> None:
+    """``jax.distributed.initialize``; on CPUs, gloo collectives that give up after
+    ``collective_timeout_s`` (unless ``XLA_FLAGS`` sets it): a process that never reaches a
+    collective (stuck, or out of step through a bug) then stops its peers with an error
+    instead of leaving them waiting forever."""
     if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
         # CPU devices of different processes talk through gloo collectives.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_cpu_collective_timeout_seconds" not in flags:
+            # XLA reads its flags when the backend starts, which is after this.
+            os.environ["XLA_FLAGS"] = (
+                f"{flags} --xla_cpu_collective_timeout_seconds={collective_timeout_s}".strip())
     jax.distributed.initialize(
         coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
     )
