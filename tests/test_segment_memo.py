@@ -68,6 +68,41 @@ def test_valid_bodies_equal_the_general_parse_and_hit_the_memo():
         raw = ('{"input_ids": ' + ids + ", " + rest[1:]).encode()
         same(general(raw), fast(raw, memo))
     assert memo.hits > memo.misses > 0  # the history's segments were parsed once
+    assert memo.prefix_hits > 0  # and a turn written as the last one was scanned from there
+
+
+KNOWN = b'{"input_ids": [[1, 2], [3]], "stream": false}'
+
+
+@pytest.mark.parametrize("raw", [
+    KNOWN,
+    b'{"input_ids": [[1, 2], [3], [4, 5]]}',
+    b'{"input_ids": [[1, 2], [3] ,\n[4, 5] ] }',
+    b'{"input_ids": [[1, 2], [3] [4]]}',  # a comma missing after the known prefix
+    b'{"input_ids": [[1, 2], [3],, [4]]}',
+    b'{"input_ids": [[1, 2], [3],]}',
+    b'{"input_ids": [[1, 2], [3], [[4]]]}',
+    b'{"input_ids": [[1, 2], [3]5]}',
+    b'{"input_ids": [[1, 2], [3], []]}',
+    b'{"input_ids": [[1, 2], [3], [100]]}',
+    b'{"input_ids": [[1, 2], [3], 4]}',
+    b'{"input_ids": [[1, 2], [3]] trailing',
+    b'{"input_ids": [[1, 2], [3], [4]',
+    b'{"input_ids": [[1, 2], [3]]], "stream": true}',
+    b'{"input_ids": [[1, 2], [3]], "input_ids": [[4]]}',
+    b'{"input_ids": [[1, 2], [31]]}',  # starts with the prefix's bytes but one segment
+    b'{"input_ids": [[1, 2], [3], [4, 5]], "cache": {"drop": {"2": [1]}}}',
+])
+def test_bodies_after_a_known_prefix_match_the_general_path(raw: bytes):
+    """Scanned from a kept prefix (a session's last body), a body must still read exactly
+    as the general parse reads it, errors included."""
+    memo = SegmentMemo(VOCAB)
+    same(general(KNOWN), fast(KNOWN, memo))
+    before = memo.prefix_hits
+    same(general(raw), fast(raw, memo))
+    if raw.startswith(b'{"input_ids": [[1, 2], [3]'):
+        assert memo.prefix_hits == before + (not raw.startswith(b'{"input_ids": [[1, 2], [31')
+                                             ), "the kept prefix was not used"
 
 
 @pytest.mark.parametrize("raw", [
@@ -110,3 +145,18 @@ def test_memo_is_bounded_and_its_arrays_read_only():
         with pytest.raises(ValueError):
             segs[0][0] = 1
     assert memo.nbytes <= 4096 and len(memo) < 200
+
+
+def test_a_session_is_scanned_from_its_last_body():
+    """Turn after turn, a session's body is scanned from the end of its last one: its
+    earlier segments are neither looked up nor parsed again."""
+    rng = np.random.default_rng(1)
+    memo = SegmentMemo(VOCAB)
+    history: list[list[int]] = []
+    for turn in range(20):
+        history.append(rng.integers(0, VOCAB, 20).tolist())
+        raw = json.dumps({"input_ids": history, "sampling_params": {"max_new_tokens": turn + 1}})
+        same(general(raw.encode()), fast(raw.encode(), memo))
+        assert memo.prefix_hits == turn
+        assert memo.misses == turn + 1  # one new segment parsed a turn
+
