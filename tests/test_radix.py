@@ -218,3 +218,45 @@ def test_split_keeps_locks_balanced():
     assert [len(n.key) for n in path] == [4] and path[0].lock == 1
     tree.unlock(node)  # the original (now lower) node walks up through the new upper part
     assert path[0].lock == 0 and node.lock == 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_request_keys_equal_a_token_by_token_flattening(seed):
+    """RequestKeys.of visits only the boundaries with ops; its keys must equal the naive
+    statement: every segment's tokens, then its drops as absolute token ranges, then its
+    repos, and its runs must merge exactly the segments between ops."""
+    from akv_jax.cache.ops import parse_history
+    from akv_jax.serving.radix_keys import Op, RequestKeys, Run
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    segments = [[rng.randrange(50) for _ in range(rng.randint(1, 6))] for _ in range(n)]
+    drops: dict[str, list[int]] = {}
+    dropped: set[int] = set()
+    for b in range(n):
+        can = [i for i in range(1, b + 1) if i not in dropped]
+        if can and rng.random() < 0.3:
+            pick = sorted(rng.sample(can, rng.randint(1, min(3, len(can)))))
+            drops[str(b)] = pick
+            dropped |= set(pick)
+    repos = sorted(rng.sample(range(n), rng.randint(0, min(3, n))))
+    history = parse_history({"drop": drops, "reposition": repos}, n)
+    starts = [0]
+    for seg in segments:
+        starts.append(starts[-1] + len(seg))
+    naive: list = []
+    for s, seg in enumerate(segments):
+        naive.extend(seg)
+        if history.drops_at(s):
+            naive.append(("drop", tuple((starts[i], starts[i + 1]) for i in history.drops_at(s))))
+        if history.repos_at(s):
+            naive.append(("repos",))
+    keys = RequestKeys.of(segments, history)
+    assert keys.flat() == naive
+    runs = [p for p in keys.parts if isinstance(p, Run)]
+    assert all(r.end > r.start for r in runs)
+    # Adjacent runs are merged.
+    assert all(not (isinstance(a, Run) and isinstance(b, Run))
+               for a, b in zip(keys.parts, keys.parts[1:], strict=False))
+    assert [p.boundary for p in keys.parts if isinstance(p, Op)] == sorted(
+        p.boundary for p in keys.parts if isinstance(p, Op))

@@ -54,18 +54,21 @@ class RequestKeys:
         starts = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).tolist()
         parts: list[Run | Op] = []
         run_start = 0
-        for s in range(len(arrays)):
+        n = len(arrays)
+        # Only the boundaries with ops, and the last, end a run: work per op, not per segment.
+        ends = sorted({b for b, segs in history.drops.items() if segs and 0 <= b < n}
+                      | {b for b in history.repos if 0 <= b < n} | ({n - 1} if n else set()))
+        for s in ends:
             ops: list[Key] = []
             if history.drops_at(s):
                 ops.append(("drop", tuple((starts[i], starts[i + 1])
                                           for i in history.drops_at(s))))
             if history.repos_at(s):
                 ops.append(("repos",))
-            if ops or s == len(arrays) - 1:
-                if starts[s + 1] > run_start:
-                    parts.append(Run(run_start, starts[s + 1]))
-                run_start = starts[s + 1]
-                parts.extend(Op(op, s) for op in ops)
+            if starts[s + 1] > run_start:
+                parts.append(Run(run_start, starts[s + 1]))
+            run_start = starts[s + 1]
+            parts.extend(Op(op, s) for op in ops)
         return RequestKeys(tokens, tuple(parts))
 
     @staticmethod
