@@ -27,26 +27,18 @@ class PoolTooSmall(RuntimeError):
     """A request that can never fit the KV pool as its prefix is stored."""
 
 
-def view_layout(tl: Timeline, view: list[Node], seg_seen: np.ndarray, page_size: int,
-                one_seg: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(pages, slot visibility)`` of ``view`` for a reader that sees the tokens of the
-    segments where ``seg_seen`` holds, without the pages that hold no visible slot
-    (``one_seg``: :func:`segments_of` the view, when the caller has it)."""
-    return joined(*view_pieces(tl, view, seg_seen, page_size, one_seg))
-
-
 def view_pieces(tl: Timeline, view: list[Node], seg_seen: np.ndarray, page_size: int,
-                one_seg: np.ndarray | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """:func:`view_layout` as per-node pieces, not yet joined (a longer view that starts
-    with this one extends them).
+                one_seg: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per node of ``view`` (``one_seg``: its :func:`segments_of`), its pages and slot
+    visibility for a reader that sees the tokens of the segments where ``seg_seen`` holds,
+    without the pages that hold no visible slot; :func:`joined` makes them one layout, and
+    a longer view that starts with this one extends them.
 
     Work per node, not per token: a token node lies in one segment, so it is wholly seen or
     unseen (one array lookup for the whole view). Nodes are page-aligned, so dropping pages
     node by node drops the same pages as over the whole view. An emptied node nothing here
     can see stands in as page 0 with every slot invisible (the planner guarantees nobody
     attends to it)."""
-    if one_seg is None:
-        one_seg = segments_of(tl, view)
     hit = seg_seen[one_seg] & (one_seg >= 0)
     pages: list[np.ndarray] = []
     vis: list[np.ndarray] = []
@@ -88,24 +80,20 @@ def segments_of(tl: Timeline, nodes: list[Node]) -> np.ndarray:
     return np.where((ends[:, 0] >= 0) & (segs[:, 0] == segs[:, 1]), segs[:, 0], -1)
 
 
-def seen(tl: Timeline, nodes: list[Node], seg_seen: np.ndarray,
-         one_seg: np.ndarray | None = None) -> list[bool]:
-    """Per node, whether a reader that sees the segments where ``seg_seen`` holds sees any
-    of its tokens."""
-    if one_seg is None:
-        one_seg = segments_of(tl, nodes)
+def seen(tl: Timeline, nodes: list[Node], seg_seen: np.ndarray, one_seg: np.ndarray
+         ) -> list[bool]:
+    """Per node (``one_seg``: their :func:`segments_of`), whether a reader that sees the
+    segments where ``seg_seen`` holds sees any of its tokens."""
     out = (seg_seen[one_seg] & (one_seg >= 0)).tolist()
     for i in np.flatnonzero(one_seg < 0).tolist():
         out[i] = bool(seg_seen[tl.token_seg[nodes[i].token_array()]].any())
     return out
 
 
-def seen_until(tl: Timeline, nodes: list[Node], one_seg: np.ndarray | None = None
-               ) -> list[int]:
-    """Per node, the last boundary before which any of its tokens is still attended
-    (segment s sees it iff the value is >= s), -1 when it holds none."""
-    if one_seg is None:
-        one_seg = segments_of(tl, nodes)
+def seen_until(tl: Timeline, nodes: list[Node], one_seg: np.ndarray) -> list[int]:
+    """Per node (``one_seg``: their :func:`segments_of`), the last boundary before which
+    any of its tokens is still attended (segment s sees it iff the value is >= s), -1 when
+    it holds none."""
     out = tl.drop_boundary[one_seg].tolist()
     for i in np.flatnonzero(one_seg < 0).tolist():
         toks = nodes[i].token_array()
@@ -354,13 +342,16 @@ class Planner:
                     src = {t: src.get(t) for t in held}
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
         p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
-        if read is not None and read[0] is view and np.array_equal(read[2], tl.seg_active):
-            more = view[read[1]:]
-            pages_more, vis_more = view_pieces(tl, more, tl.seg_active, ps, self.segs(more))
-            r.view_pages, r.view_visible = joined(read[3][0] + pages_more, read[3][1] + vis_more)
-        else:
-            r.view_pages, r.view_visible = view_layout(tl, view, tl.seg_active, ps,
-                                                       self.segs(view))
+        head_pages: list[np.ndarray] = []
+        head_vis: list[np.ndarray] = []
+        done = 0
+        if read is not None:
+            read_view, read_len, read_seen, read_pieces = read
+            if read_view is view and np.array_equal(read_seen, tl.seg_active):
+                (head_pages, head_vis), done = read_pieces, read_len
+        more = view[done:]
+        more_pages, more_vis = view_pieces(tl, more, tl.seg_active, ps, self.segs(more))
+        r.view_pages, r.view_visible = joined(head_pages + more_pages, head_vis + more_vis)
         r.view_nodes = final
         r.last_node = path[-1]
         r.prompt_last_node = path[-1]

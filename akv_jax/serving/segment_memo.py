@@ -74,7 +74,8 @@ class SegmentMemo:
             return None
         start = head.end()  # just past the "[" that opens input_ids
         first_end = raw.find(b"]", start) + 1  # through the first segment, if well formed
-        known = self._known_prefix(raw[:first_end], raw) if first_end else None
+        first = raw[:first_end]
+        known = self._known_prefix(first, raw) if first_end else None
         if known is None:
             pos, segments = start, []
         else:
@@ -91,7 +92,7 @@ class SegmentMemo:
         if not segments:
             return None
         last_end = spans[-1][1] if spans else pos
-        self._remember(raw[:first_end], raw[:last_end], tuple(segments))
+        self._remember(first, raw[:last_end], tuple(segments))
         return raw[:start] + b"]" + raw[end + 1 :], segments
 
     @staticmethod
