@@ -177,7 +177,7 @@ def test_decode_runs_while_a_long_prompt_prefills(model):
         for ev in events:
             got[ev.rid].append(ev)
         steps_before_b += 1
-        if not got["b"]:
+        if not got["b"] and steps_before_b > 1:  # the first step's token is read a step late
             assert any(ev.rid == "a" for ev in events)  # decode did not wait
     assert steps_before_b == -(-200 // 32)
     while eng.has_work():

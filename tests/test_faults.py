@@ -130,7 +130,7 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
     leaving the most state behind to clean up."""
 
     def after(name: str, when=lambda r: True):
-        owner = {"take_slice": eng.scheduler, "emit": eng.tokens}.get(name, eng.planner)
+        owner = {"take_slice": eng.scheduler}.get(name, eng.planner)
         real = getattr(owner, name)
 
         def wrapped(r, *args):
@@ -145,8 +145,16 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
         after(stage)
     elif stage == "decode_pass":
         after(stage, lambda r: len(r.generated) == 2)  # it holds a fresh generation page
-    elif stage == "emit":  # every generated token, sampled on the host or greedy
-        after(stage, lambda r: len(r.generated) == 3)  # mid-generation, not finishing
+    elif stage == "sent":  # every generated token: sampled, greedy, or read a step late
+        real_sent = eng.tokens.sent
+
+        def sent(r, index, *args):
+            out = real_sent(r, index, *args)
+            if r.rid == "v" and index == 2:  # mid-generation, not finishing
+                raise ValueError(f"{BOOM} in sent")
+            return out
+
+        eng.tokens.sent = sent
     elif stage == "finish":
         real = eng.tokens.finish
 
@@ -160,21 +168,21 @@ def _inject(eng: Engine, stage: str, in_forward: set[str]) -> None:
         real_run = eng.executor.run
         kind = stage.split("-")[0]
 
-        def run(group, work, block_q):
+        def run(group, work, block_q, *rest):
             rids = {r.rid for r, _ in work if r is not None}
             if "v" in rids and (block_q == 1) == (kind == "decode") and not in_forward:
                 in_forward.update(rids)
                 if stage.endswith("async"):
-                    real_run(group, work, block_q)
+                    real_run(group, work, block_q, *rest)
                     return _Poisoned()
                 raise RuntimeError(f"{BOOM}: {kind} forward")
-            return real_run(group, work, block_q)
+            return real_run(group, work, block_q, *rest)
 
         eng.executor.run = run
 
 
 STAGES = ["build_path", "choose_compute", "lay_out", "take_slice", "decode_pass",
-          "emit", "finish", "prefill", "decode", "decode-async"]
+          "sent", "finish", "prefill", "decode", "decode-async"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -204,6 +212,7 @@ def test_a_fault_fails_only_the_requests_it_touches(tiny, solo, stage):
     # What the fault left in the cache is exact: every request again (reusing it), now
     # without the fault, then a flush frees every page.
     eng.tokens.finish = eng.finish
+    vars(eng.tokens).pop("sent", None)
     for owner in (eng.scheduler, eng.tokens, eng.planner, eng.executor):
         for name in ("build_path", "choose_compute", "lay_out", "take_slice", "decode_pass",
                      "emit", "run"):
@@ -253,7 +262,7 @@ def test_app_fault_is_a_500_for_that_request_and_the_others_complete(app_engine,
     real = eng.planner.decode_pass
 
     def decode_pass(r):
-        if list(r.req.segments[-1]) == VICTIM_TOKENS and len(r.generated) == 2:
+        if list(r.req.segments[-1]) == VICTIM_TOKENS and r.completion_tokens == 2:
             raise ValueError(f"{BOOM}: bad row")
         return real(r)
 

@@ -93,7 +93,7 @@ class DeviceGroup:
 
     def forward(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | jax.Array,
         q_pos: np.ndarray,
         writes: KVWrites,
         batch: SegmentBatch,
@@ -212,6 +212,14 @@ def masked_greedy(logits: jax.Array, rows: jax.Array, bits: jax.Array):
     m = jnp.max(x, axis=-1)
     lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=-1))
     return tok, jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - lse
+
+
+@jax.jit
+def feed_pending(tokens: jax.Array, source: jax.Array, greedy: jax.Array) -> jax.Array:
+    """``tokens`` with each row ``i`` where ``source[i] >= 0`` replaced by
+    ``greedy[source[i]]``: the tokens a step feeds that the previous step's greedy rows
+    chose, taken on the device without waiting for them (overlap scheduling)."""
+    return jnp.where(source >= 0, greedy[jnp.maximum(source, 0)], tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "mesh", "projection"),

@@ -47,6 +47,7 @@ from akv_jax.cache.timeline import Timeline
 from akv_jax.serving.admission import check_request
 from akv_jax.serving.cache_manager import CacheManager
 from akv_jax.serving.constrained_rows import MaskedGreedy
+from akv_jax.serving.device_group import StepLogits
 from akv_jax.serving.executor import Executor
 from akv_jax.serving.multihost import (
     MultihostError,
@@ -55,13 +56,14 @@ from akv_jax.serving.multihost import (
     is_timeout,
     peer_failure,
 )
+from akv_jax.serving.overlap import Deferred, defer, link
 from akv_jax.serving.planner import Planner, PoolTooSmall
 from akv_jax.serving.radix_keys import RequestKeys
-from akv_jax.serving.sampler import invalid_param, make_rng
+from akv_jax.serving.sampler import invalid_param, make_rng, sample
 from akv_jax.serving.scheduling import Scheduler
 from akv_jax.serving.token_rules import TokenRules, request_meta
 from akv_jax.serving.types import GenerateRequest, TokenEvent, describe_error
-from akv_jax.serving.work import RequestState, Work
+from akv_jax.serving.work import PENDING, RequestState, Work
 
 log = logging.getLogger("akv_jax.serving")
 
@@ -87,6 +89,7 @@ class Engine:
         admission_window_s: float = 10.0,
         admission_max_wait_s: float = 2.0,
         jump_forward: bool = True,
+        overlap: bool = True,
     ):
         """``tp``: tensor-parallel degree of the (colocated) device group.
         ``disaggregate=(P, D)``: prefill and restores on the first P devices, decode on the
@@ -96,7 +99,10 @@ class Engine:
         ``admission_window_s`` / ``admission_max_wait_s``: see the module docstring.
         ``jump_forward``: feed the tokens a request's grammar forces in one decode pass
         instead of a step each (the same tokens either way: a forced token is the only one
-        its grammar allows)."""
+        its grammar allows).
+        ``overlap``: read greedy decode tokens a step late, planning and dispatching the next
+        step while the device runs this one (overlap.py; one process only: the processes of
+        a multi-host run read every step in step)."""
         self.cfg = model.cfg
         tok = getattr(model, "tokenizer", None)
         eos_ids = set(model.cfg.eos_token_ids) | set(getattr(tok, "eos_ids", ()) or ())
@@ -121,6 +127,8 @@ class Engine:
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
         self.tokens = TokenRules(eos_ids, jump_forward, self.finish)
+        self.overlap = overlap and jax.process_count() == 1
+        self.deferred: Deferred | None = None  # the last decode step, its tokens unread
         # Multi-host: called once per step, before any forward, with a digest of what this
         # process is about to run; raises if the processes disagree (see multihost.py).
         self.replica_check: Callable[[int, bytes], None] | None = None
@@ -173,10 +181,7 @@ class Engine:
 
     def _drop(self, r: RequestState) -> None:
         """Take ``r`` out of the scheduler and release what it holds (pages, locks)."""
-        for i, q in enumerate(self.waiting):
-            if q is r:
-                del self.waiting[i]
-                break
+        self._unqueue(r)
         if self.running.get(r.rid) is r:
             del self.running[r.rid]
         if self.prefilling.get(r.rid) is r:
@@ -186,6 +191,12 @@ class Engine:
         if r.gen_pages or r.last_node is not None:
             self.release(r, insert=False)
         r.status = "done"
+
+    def _unqueue(self, r: RequestState) -> None:
+        for i, q in enumerate(self.waiting):
+            if q is r:  # by identity: requests compare by value
+                del self.waiting[i]
+                return
 
     def fail(self, rid: str, message: str) -> TokenEvent | None:
         """End request ``rid`` with an error event (None if it is not queued or running).
@@ -201,7 +212,8 @@ class Engine:
         ``kv_unwritten``: the forward that was to write its prefill did not run, so every
         node its pass computes (written_pages) goes back to evicted, last slice included
         (``Scheduler.take_slice`` has already published those nodes as written)."""
-        meta = dict(request_meta(r), completion_tokens=len(r.generated), finish_reason="error")
+        meta = dict(request_meta(r), completion_tokens=r.completion_tokens,
+                    finish_reason="error")
         if kv_unwritten and r.prefill is not None and r.last_node is not None:
             mine = set(r.prefill.written_pages)
             self.cache.unwrite([n for n in self.cache.path_to(r.last_node)
@@ -227,13 +239,14 @@ class Engine:
         self.waiting.clear()
         self.prefilling.clear()
         self.running.clear()
+        self.deferred = None
         self.cache.reset()
         self.counters["requests_failed"] += len(reqs)
         return events
 
     # ------------------------------------------------------------------ state
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self.running or self.prefilling or self.deferred)
 
     def flush_cache(self) -> bool:
         if self.running or self.prefilling:
@@ -265,21 +278,27 @@ class Engine:
         slices, budget = self.scheduler.continue_prefills(events)
         self.scheduler.admit(slices, budget, events)
         decode_pass = self.scheduler.decode_rows(bool(slices), events)
+        previous, self.deferred = self.deferred, None
+        link(decode_pass, previous)
         if self.replica_check is not None:
             # Multi-host: every process must run the same forwards on the same state.
             self.replica_check(self.step_id, self._digest(slices, decode_pass))
         if slices or decode_pass:
-            events.extend(self._run(slices, decode_pass))
+            events.extend(self._run(slices, decode_pass, previous))
+        elif previous is not None:
+            events.extend(self._read_deferred(previous))
         return events
 
-    def _run(self, slices: Work, decode_pass: Work) -> list[TokenEvent]:
+    def _run(self, slices: Work, decode_pass: Work, previous: Deferred | None) -> list[TokenEvent]:
         """Run this step's forwards and sample from their logits.
 
         Prefill slices and decode rows run as two forwards, as SGLang runs prefill and
         decode batches: a prefill wants wide query blocks, a decode row one query, and one
         block size for both would pad every decode row to a prefill block. Disaggregated,
         they run on their own groups (a finished prefill's pages are handed over first),
-        and both are dispatched before either result is read, so they overlap."""
+        and both are dispatched before either result is read, so they overlap. Then the
+        tokens ``previous`` deferred are read, and with overlap this step's greedy decode
+        rows are deferred in turn (overlap.py)."""
         ex = self.executor
         events: list[TokenEvent] = []
         parts: list[tuple[str, Work, jax.Array]] = []
@@ -292,10 +311,13 @@ class Engine:
             except Exception as e:
                 events.extend(self._forward_failed(slices, e, "prefill"))
         if decode_pass:
-            try:
-                parts.append(("decode", decode_pass, ex.run_decode(decode_pass)))
-            except Exception as e:
-                events.extend(self._forward_failed(decode_pass, e, "decode"))
+            decode_pass, out, previous = self._dispatch_decode(decode_pass, previous, events)
+            if out is not None:
+                self.deferred = defer(decode_pass, out) if self.overlap else None
+                if self.deferred is None or len(self.deferred.rows) < len(decode_pass):
+                    parts.append(("decode", decode_pass, out))  # rows read in this step
+        if previous is not None:
+            events.extend(self._read_deferred(previous))
         # Grammar masks of constrained rows, computed while the forwards run (dispatch is
         # asynchronous; a grammar's state depends only on tokens already sampled); greedy
         # ones are applied on the device, after the forward.
@@ -324,6 +346,8 @@ class Engine:
         for work, out, (toks, lps, oks), m in results:
             with_logits = [r for r, p in work if p.logits_row >= 0]
             for i, r in enumerate(with_logits):
+                if r.status == "done" or (r.generated and r.generated[-1] == PENDING):
+                    continue  # ended meanwhile (a token read late), or deferred
                 try:
                     if r.status == "prefill":
                         self.scheduler.prefill_done(r)
@@ -344,6 +368,54 @@ class Engine:
                         events.extend(self.tokens.sample(r, np.asarray(out.logits[i])))
                 except Exception as e:
                     events.append(self.fail_on_error(r, e, "sampling"))
+        return events
+
+    def _dispatch_decode(self, work: Work, previous: Deferred | None, events: list[TokenEvent]
+                         ) -> tuple[Work, StepLogits | None, Deferred | None]:
+        """Dispatch the decode forward; returns the rows it carries, its output (None if it
+        failed) and ``previous`` unless it was read here. When a forward that feeds on
+        ``previous`` cannot be dispatched, ``previous`` may be what failed: it is read
+        first (failing its requests if so), and the others run with their tokens known."""
+        try:
+            return work, self.executor.run_decode(work, previous and previous.out), previous
+        except Exception as e:
+            error = e
+        read = self._read_deferred(previous) if previous is not None else []
+        events.extend(read)
+        work = [(r, p) for r, p in work if r.status != "done"]
+        if not any(ev.error for ev in read):  # the forward's own fault
+            events.extend(self._forward_failed(work, error, "decode"))
+            return [], None, None
+        for r, p in work:
+            if p.pending_from >= 0:
+                p.tokens[-1], p.pending_from = r.generated[-1], -1
+        if not work:
+            return [], None, None
+        try:
+            return work, self.executor.run_decode(work), None
+        except Exception as e:
+            events.extend(self._forward_failed(work, e, "decode"))
+            return [], None, None
+
+    def _read_deferred(self, d: Deferred) -> list[TokenEvent]:
+        """The tokens of a decode step run one step ago (see overlap.py): each request still
+        waiting for its token gets it, and ends if that token ends it."""
+        rows = d.live_rows()
+        try:
+            toks, lps, oks = (np.asarray(a) for a in (d.out.greedy, d.out.greedy_logprob,
+                                                      d.out.ok))
+        except Exception as e:
+            return self._forward_failed([(r, None) for r, _, _ in rows], e, "decode")
+        events: list[TokenEvent] = []
+        for r, index, row in rows:
+            try:
+                if oks[row]:
+                    tok, lp = int(toks[row]), float(lps[row])
+                else:  # not a usable row: the host sampler says why
+                    tok, lp = sample(np.asarray(d.out.logits[row]), r.req.sampling, r.rng)
+                events.extend(self.tokens.resolve(r, index, tok, lp))
+            except Exception as e:
+                events.append(self.fail_on_error(r, e, "sampling"))
         return events
 
     def _forward_failed(self, work: Work, e: Exception, what: str) -> list[TokenEvent]:
@@ -373,8 +445,11 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
     def finish(self, r: RequestState, reason: str) -> TokenEvent:
-        """End ``r`` normally: its generated KV joins the cache; its last event."""
+        """End ``r`` normally: its generated KV joins the cache; its last event. (A request
+        preempted while its last token was deferred may end from the waiting queue.)"""
         self.running.pop(r.rid, None)
+        if r.status == "waiting":
+            self._unqueue(r)
         meta = dict(request_meta(r), completion_tokens=len(r.generated), finish_reason=reason)
         self.release(r, insert=True)
         self.counters["requests_finished"] += 1

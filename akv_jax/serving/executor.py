@@ -21,7 +21,7 @@ from akv_jax.model.forward import KVWrites, make_model_attention
 from akv_jax.model.params import Params, make_mesh
 from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
-from akv_jax.serving.device_group import DeviceGroup, StepLogits, transfer_pages
+from akv_jax.serving.device_group import DeviceGroup, StepLogits, feed_pending, transfer_pages
 from akv_jax.serving.host_tier import HostKV
 from akv_jax.serving.work import Pass, RequestState
 
@@ -139,8 +139,10 @@ class Executor:
     def run_prefill(self, work: Work) -> StepLogits:
         return self.run(self.prefill, work, PREFILL_BLOCK_Q)
 
-    def run_decode(self, work: Work) -> StepLogits:
-        return self.run(self.decode, work, DECODE_BLOCK_Q)
+    def run_decode(self, work: Work, previous: StepLogits | None = None) -> StepLogits:
+        """``previous``: the last decode step's output, whose greedy rows feed the passes'
+        PENDING tokens (``Pass.pending_from``)."""
+        return self.run(self.decode, work, DECODE_BLOCK_Q, previous)
 
     def to_decode(self, pages: list[int]) -> None:
         """Prefill wrote ``pages``: the decode group reads them next (disaggregated)."""
@@ -162,13 +164,17 @@ class Executor:
         groups = [self.prefill, self.decode] if self.disaggregated else [self.prefill]
         self.host.reload(groups, host_pages, device_pages)
 
-    def run(self, group: DeviceGroup, work: Work, block_q: int) -> StepLogits:
+    def run(self, group: DeviceGroup, work: Work, block_q: int,
+            previous: StepLogits | None = None) -> StepLogits:
         """Dispatch one forward over ``work`` on ``group``; returns its logits rows (lazy;
         row ``i`` belongs to the ``i``-th pass with a logits row, then padding)."""
         ps = self.page_size
         tokens, q_pos, writes, segs, copies, rows = [], [], [], [], [], []
+        pending: list[tuple[int, int]] = []  # (row, row of previous's greedy tokens)
         for _, p in work:
             off = len(tokens)
+            if p.pending_from >= 0:
+                pending.append((off + len(p.tokens) - 1, p.pending_from))
             tokens += p.tokens
             q_pos += p.q_pos
             writes += p.writes
@@ -195,6 +201,11 @@ class Executor:
                 slot_arr[w, t], pos_arr[w, t] = sl, pos
         tok_arr = np.zeros(T, np.int32)
         tok_arr[: len(tokens)] = tokens
+        if pending:
+            source = np.full(T, -1, np.int32)
+            for row, src in pending:
+                source[row] = src
+            tok_arr = feed_pending(tok_arr, source, previous.greedy)
         qp = np.zeros(T, np.int32)
         qp[: len(q_pos)] = q_pos
         # One segment (a turn's new message after a cached history) gets its own shape: the
@@ -251,6 +262,7 @@ class Executor:
             )
 
         shapes = 0
+        out = None
         for n_pages in views:
             for n in distinct_buckets(prefill_chunk, lambda n: token_bucket(n, PREFILL_BLOCK_Q)):
                 if n <= n_pages * ps:
@@ -259,6 +271,18 @@ class Executor:
                             self.run_prefill([(None, dummy(n, n_pages, n_segs))]))
                         shapes += 1
             for rows in distinct_buckets(max_running, lambda n: token_bucket(n, 1)):
-                jax.block_until_ready(self.run_decode([(None, dummy(1, n_pages))] * rows))
+                out = self.run_decode([(None, dummy(1, n_pages))] * rows)
+                # and fed from the last step's greedy rows (overlap): tokens on the device
+                fed = dummy(1, n_pages)
+                fed.pending_from = 0
+                jax.block_until_ready(self.run_decode([(None, fed)] * rows, out))
                 shapes += 1
+        # Overlap: a decode step's tokens taken from the last one's greedy rows, for every
+        # pair of row counts, on the devices (and sharding) the decode forward puts them.
+        rows = distinct_buckets(max_running, lambda n: token_bucket(n, 1))
+        for t in rows:
+            for r in rows:
+                greedy = jax.device_put(np.zeros(r, np.int32), out.greedy.sharding)
+                jax.block_until_ready(feed_pending(np.zeros(t, np.int32),
+                                                   np.full(t, -1, np.int32), greedy))
         return shapes

@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=4096,
                    help="most prompt tokens computed in one scheduler step; a longer prefill "
                         "runs in slices over several steps while running requests decode")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read every step's greedy tokens before planning the next (by default "
+                        "they are read a step late, the next step planned while the device "
+                        "runs: docs/serving.md)")
     p.add_argument("--max-new-tokens-limit", type=_positive("--max-new-tokens-limit"),
                    default=32768, help="largest max_new_tokens / max_tokens a request may ask")
     p.add_argument("--reply-format", choices=FAMILIES, default=None,
@@ -300,6 +304,7 @@ def build_engine(args: argparse.Namespace):
             host_kv_tokens=args.host_kv_tokens,
             admission_window_s=args.admission_window_s,
             admission_max_wait_s=args.admission_max_wait_s,
+            overlap=not args.disable_overlap_schedule,
         )
         # The groups hold the weights in their own layouts (placed, sharded, or repacked for
         # the CPU's kernels): free the loaded copy.

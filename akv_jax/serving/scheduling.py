@@ -20,7 +20,7 @@ from akv_jax.cache.timeline import timeline
 from akv_jax.serving.planner import PoolTooSmall
 from akv_jax.serving.radix_keys import RequestKeys
 from akv_jax.serving.types import TokenEvent
-from akv_jax.serving.work import RequestState, Work
+from akv_jax.serving.work import PENDING, RequestState, Work
 
 if TYPE_CHECKING:
     from akv_jax.serving.engine import Engine
@@ -108,7 +108,8 @@ class Scheduler:
         when one finds none, the youngest still without a row is preempted until it does."""
         work: Work = []
         stalled: list[RequestState] = []
-        queue = deque(sorted((r for r in self.e.running.values() if r.status == "decode"),
+        queue = deque(sorted((r for r in self.e.running.values()
+                              if r.status == "decode" and not self.ends_when_read(r)),
                              key=lambda q: q.arrival))
         while queue:
             r = queue.popleft()
@@ -133,6 +134,12 @@ class Scheduler:
                 "requests hold every page; raise --max-total-tokens"
             )))
         return work
+
+    @staticmethod
+    def ends_when_read(r: RequestState) -> bool:
+        """``r``'s deferred token (overlap.py) is its last by length: no row for it."""
+        g = r.generated
+        return bool(g) and g[-1] == PENDING and len(g) >= r.req.sampling.max_new_tokens
 
     def take_slice(self, r: RequestState, budget: int, slices: Work) -> int:
         """Queue the next slice (at most ``budget`` rows) of ``r``'s pass; rows taken."""

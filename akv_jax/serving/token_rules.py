@@ -73,25 +73,46 @@ class TokenRules:
         return events
 
     def append(self, r: RequestState, tok: int, logprob: float) -> list[TokenEvent]:
-        sp = r.req.sampling
         r.generated.append(tok)
         r.unfed += 1
+        n = len(r.generated)
+        return self.sent(r, n - 1, tok, logprob, self.stop_reason(r, tok, n))
+
+    def resolve(self, r: RequestState, index: int, tok: int, logprob: float) -> list[TokenEvent]:
+        """``r``'s PENDING token at ``index`` of its generated tokens is ``tok`` (read a step
+        late, see overlap.py). If it ends ``r``, what was fed after it is discarded: ``tok``
+        becomes the last token, unfed, as if ``r`` had ended in its own step."""
+        r.generated[index] = tok
+        reason = self.stop_reason(r, tok, index + 1)
+        if reason is not None:
+            del r.generated[index + 1 :]
+            r.unfed = 1
+        return self.sent(r, index, tok, logprob, reason)
+
+    def sent(self, r: RequestState, index: int, tok: int, logprob: float,
+             reason: str | None) -> list[TokenEvent]:
+        """The event of ``r``'s generated token ``index`` (``tok``), which ends ``r`` for
+        ``reason`` (None: it goes on)."""
         lp = logprob if r.req.return_logprob else None
-        reason = None
-        if not sp.ignore_eos and tok in self.eos_ids:
-            reason = "stop"
-        elif tok in sp.stop_token_ids:
-            reason = "stop"
-        elif r.req.constraint is not None and r.req.constraint.finished:
-            reason = "stop"  # the grammar is complete: nothing more may follow
-        elif len(r.generated) >= sp.max_new_tokens:
-            reason = "length"
         if reason is None:
-            meta = request_meta(r) if len(r.generated) == 1 else {}
+            meta = request_meta(r) if index == 0 else {}
             return [TokenEvent(r.rid, tok, lp, False, None, meta)]
         ev = self.finish(r, reason)
         ev.token_id, ev.logprob = tok, lp
         return [ev]
+
+    def stop_reason(self, r: RequestState, tok: int, count: int) -> str | None:
+        """Why ``r`` ends with ``tok`` as its ``count``-th generated token (None: it goes on)."""
+        sp = r.req.sampling
+        if not sp.ignore_eos and tok in self.eos_ids:
+            return "stop"
+        if tok in sp.stop_token_ids:
+            return "stop"
+        if r.req.constraint is not None and r.req.constraint.finished:
+            return "stop"  # the grammar is complete: nothing more may follow
+        if count >= sp.max_new_tokens:
+            return "length"
+        return None
 
 
 def request_meta(r: RequestState) -> dict:

@@ -18,6 +18,10 @@ from akv_jax.serving.radix import Node
 from akv_jax.serving.radix_keys import RequestKeys
 from akv_jax.serving.types import GenerateRequest
 
+# In a request's generated tokens: a greedy token its last decode row computed on the device
+# and the host has not read yet (overlap scheduling, see overlap.py); only ever the last.
+PENDING = -1
+
 
 @dataclasses.dataclass
 class Pass:
@@ -31,6 +35,9 @@ class Pass:
     logits_row: int = -1  # -1: no logits wanted (a slice before the last)
     written_pages: list[int] = dataclasses.field(default_factory=list)
     restored_tokens: int = 0  # tokens of emptied nodes this pass recomputes (a restore)
+    # Its last token is PENDING: the executor feeds it from this row of the previous decode
+    # step's greedy output, still on the device (-1: every token is known).
+    pending_from: int = -1
 
     def slice(self, a: int, b: int) -> Pass:
         """Rows ``[a, b)`` as a pass of their own: segments cut to those rows (a cut
@@ -90,6 +97,12 @@ class RequestState:
     @property
     def rid(self) -> str:
         return self.req.rid
+
+    @property
+    def completion_tokens(self) -> int:
+        """Generated tokens its client has been sent (a PENDING one not yet)."""
+        g = self.generated
+        return len(g) - (1 if g and g[-1] == PENDING else 0)
 
     @property
     def new_tokens_left(self) -> int:
