@@ -52,13 +52,17 @@ def cases(model):
     return _cases(model[1], rng, random_requests(rng, 14), MAX_NEW)
 
 
-@pytest.fixture(scope="module")
-def long_cases(model):
+def _long_cases(dm, seed: int) -> list[tuple]:
     """Four long decodes: in a pool that holds about two, they preempt each other."""
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(seed)
     reqs = [([rng.integers(0, 256, 20).tolist(), rng.integers(0, 256, 12).tolist()],
              {"drop": {}, "reposition": []}) for _ in range(4)]
-    return _cases(model[1], rng, reqs, 40)
+    return _cases(dm, rng, reqs, 40)
+
+
+@pytest.fixture(scope="module")
+def long_cases(model):
+    return _long_cases(model[1], 4)
 
 
 def _request(rid, segs, cache, sp) -> GenerateRequest:
@@ -123,8 +127,10 @@ def test_stops_and_lengths_equal_the_reference_with_and_without_overlap(model, r
     cases = request.getfixturevalue(which)
     runs = {}
     for overlap in (True, False):
+        # admission_window_s=0: admission that does not depend on the clock (deterministic)
         eng = Engine(m, max_total_tokens=pool_tokens, page_size=8,
-                     attention_backend="reference", host_kv_tokens=0, overlap=overlap)
+                     attention_backend="reference", host_kv_tokens=0, overlap=overlap,
+                     admission_window_s=0.0)
         got = _drive(eng, cases, per_step=3)
         _check(got, cases)
         assert eng.deferred is None and not eng.has_work()
@@ -135,6 +141,20 @@ def test_stops_and_lengths_equal_the_reference_with_and_without_overlap(model, r
         assert _leaf_paths(runs[True]) == _leaf_paths(runs[False])
     for eng in runs.values():
         assert eng.flush_cache() and eng.cache.pool.used_pages == 0
+
+
+@pytest.mark.parametrize("seed, pool_tokens", [(2, 160), (4, 136)])
+def test_a_full_pool_waits_for_the_deferred_tokens_before_failing_a_request(model, seed,
+                                                                           pool_tokens):
+    """When every decoding request waits for a page, tokens still on the device may end
+    requests and free theirs: the engine reads them before it fails anyone for want of
+    pages (these cases once failed one with "the KV pool is full")."""
+    m, dm = model
+    cases = _long_cases(dm, seed)
+    eng = Engine(m, max_total_tokens=pool_tokens, page_size=8, attention_backend="reference",
+                 host_kv_tokens=0, admission_window_s=0.0)
+    _check(_drive(eng, cases, per_step=3), cases)
+    assert eng.counters["preemptions"] > 0 and eng.counters["requests_failed"] == 0
 
 
 def test_one_at_a_time_the_bits_are_those_without_overlap(model, cases):

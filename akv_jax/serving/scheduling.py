@@ -125,8 +125,9 @@ class Scheduler:
                 stalled.append(r)
                 continue
             work.append((r, dp))
-        if stalled and not work and not prefilling:
-            # Nobody else can free pages: fail the youngest stalled request (its pages go back
+        if stalled and not work and not prefilling and self.e.deferred is None:
+            # Nobody else can free pages (tokens still to be read may end requests, which
+            # frees theirs: overlap.py): fail the youngest stalled request (its pages go back
             # to the pool) so that the others can go on; never end one silently short.
             r = max(stalled, key=lambda q: q.arrival)
             events.append(self.e.fail_request(r, (
