@@ -52,6 +52,14 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    support = sys.modules.get("server_support")  # only if a test module imported it
+    if support is not None:
+        support.stop_shared()
+
+
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep order

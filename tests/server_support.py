@@ -43,9 +43,13 @@ def shared_server(args: Sequence[str] = TINY_ARGS) -> LocalServer:
 
 
 @atexit.register
-def _stop_shared() -> None:
+def stop_shared() -> None:
+    """Stop the shared servers. Also called at the end of a pytest session (conftest.py):
+    a pytest-xdist worker may exit without running atexit handlers, which left them
+    running after the suite."""
     for srv in _shared.values():
         srv.stop()
+    _shared.clear()
 
 
 def sse_events(lines: Iterator[str]) -> list[object]:
