@@ -63,7 +63,7 @@ from akv_jax.serving.sampler import invalid_param, make_rng, sample
 from akv_jax.serving.scheduling import Scheduler
 from akv_jax.serving.token_rules import TokenRules, request_meta
 from akv_jax.serving.types import GenerateRequest, TokenEvent, describe_error
-from akv_jax.serving.work import PENDING, RequestState, Work
+from akv_jax.serving.work import RequestState, Work
 
 log = logging.getLogger("akv_jax.serving")
 
@@ -346,7 +346,7 @@ class Engine:
         for work, out, (toks, lps, oks), m in results:
             with_logits = [r for r, p in work if p.logits_row >= 0]
             for i, r in enumerate(with_logits):
-                if r.status == "done" or (r.generated and r.generated[-1] == PENDING):
+                if r.status == "done" or r.token_pending:
                     continue  # ended meanwhile (a token read late), or deferred
                 try:
                     if r.status == "prefill":

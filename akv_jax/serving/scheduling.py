@@ -20,7 +20,7 @@ from akv_jax.cache.timeline import timeline
 from akv_jax.serving.planner import PoolTooSmall
 from akv_jax.serving.radix_keys import RequestKeys
 from akv_jax.serving.types import TokenEvent
-from akv_jax.serving.work import PENDING, RequestState, Work
+from akv_jax.serving.work import RequestState, Work
 
 if TYPE_CHECKING:
     from akv_jax.serving.engine import Engine
@@ -139,8 +139,7 @@ class Scheduler:
     @staticmethod
     def ends_when_read(r: RequestState) -> bool:
         """``r``'s deferred token (overlap.py) is its last by length: no row for it."""
-        g = r.generated
-        return bool(g) and g[-1] == PENDING and len(g) >= r.req.sampling.max_new_tokens
+        return r.token_pending and len(r.generated) >= r.req.sampling.max_new_tokens
 
     def take_slice(self, r: RequestState, budget: int, slices: Work) -> int:
         """Queue the next slice (at most ``budget`` rows) of ``r``'s pass; rows taken."""

@@ -99,10 +99,14 @@ class RequestState:
         return self.req.rid
 
     @property
+    def token_pending(self) -> bool:
+        """Its last generated token is PENDING (on the device, not read yet)."""
+        return bool(self.generated) and self.generated[-1] == PENDING
+
+    @property
     def completion_tokens(self) -> int:
         """Generated tokens its client has been sent (a PENDING one not yet)."""
-        g = self.generated
-        return len(g) - (1 if g and g[-1] == PENDING else 0)
+        return len(self.generated) - self.token_pending
 
     @property
     def new_tokens_left(self) -> int:
