@@ -223,8 +223,8 @@ def test_project_takes_kernels_for_float32_rows(eq, x_in, w_shape):
     w = jnp.asarray(rng.standard_normal(w_shape).astype(np.float32))
     for rows, dtype, target in ((8, jnp.float32, cpu_matmul.TARGET),
                                 (2, jnp.float32, cpu_matmul.TARGET),
-                                (1, jnp.float32, None),
-                                (32, jnp.float32, None),
+                                (1, jnp.float32, cpu_matmul.TARGET),
+                                (32, jnp.float32, cpu_matmul.TARGET_GEMM),
                                 (cpu_matmul.MIN_GEMM_ROWS, jnp.float32, cpu_matmul.TARGET_GEMM),
                                 (8, jnp.bfloat16, None)):
         x = jnp.asarray(rng.standard_normal((rows, *x_in)).astype(np.float32), dtype)
@@ -240,10 +240,9 @@ def test_project_takes_kernels_for_float32_rows(eq, x_in, w_shape):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_output_head_takes_kernel_for_decode_rows(tied):
-    """The vocabulary projection of 8 float32 rows runs the few-row kernel (tied: the
-    embedding as [V, D]); of 32 rows (past the few-row kernel, below the GEMM) XLA's matmul;
-    of MIN_GEMM_ROWS the GEMM (untied) or XLA's matmul (tied); all equal XLA's one-row
-    products."""
+    """The vocabulary projection of 1 or 8 float32 rows runs the few-row kernel (tied: the
+    embedding as [V, D]); of 32 rows the GEMM (untied) or XLA's matmul (tied: past the
+    few-row kernel); all equal the one-row products."""
     import dataclasses
 
     from akv_jax.model.forward import lm_logits
@@ -253,14 +252,14 @@ def test_output_head_takes_kernel_for_decode_rows(tied):
     params = init_params(cfg, jax.random.PRNGKey(0))
     assert (params.lm_head is None) == tied
     few = cpu_matmul.TARGET_NT if tied else cpu_matmul.TARGET
-    for rows, target in ((8, few), (32, None),
-                         (cpu_matmul.MIN_GEMM_ROWS, None if tied else cpu_matmul.TARGET_GEMM)):
+    for rows, target in ((1, few), (8, few),
+                         (32, None if tied else cpu_matmul.TARGET_GEMM)):
         x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size)),
                         jnp.float32)
         jaxpr = str(jax.make_jaxpr(lambda x: lm_logits(params, cfg, x))(x))
         assert ffi_targets(jaxpr) == ({target} if target else set()), rows
         got = lm_logits(params, cfg, x)
-        # One row at a time: XLA's matrix-vector product, no kernel.
+        # One row at a time.
         want = jax.vmap(lambda r: lm_logits(params, cfg, r[None])[0])(x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -290,7 +289,7 @@ def test_project_zeroes_rows_past_live_on_every_path():
 def test_project_gated_on_every_path():
     """The MLP's gated product takes the gated kernels where the plain one takes a kernel
     (from a plain or a packed weight; a packed one's few rows unpack it), XLA's silu
-    elsewhere (32 rows, bfloat16, a LoRA-adapted weight); each is silu(gate) * (x @ w),
+    elsewhere (bfloat16, a LoRA-adapted weight); each is silu(gate) * (x @ w),
     zero past ``live``."""
     rng = np.random.default_rng(8)
     w = jnp.asarray(rng.standard_normal((20, 48)).astype(np.float32))
@@ -300,7 +299,7 @@ def test_project_gated_on_every_path():
     g, p = cpu_matmul.TARGET_GEMM_GATED, cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE
     for rows, live, weight, target in [
         (70, 41, w, g), (70, 41, packed, p), (12, 5, w, cpu_matmul.TARGET_GATED),
-        (12, 5, packed, cpu_matmul.TARGET_GATED), (32, 20, w, None),
+        (12, 5, packed, cpu_matmul.TARGET_GATED), (32, 20, w, g),
         (70, 41, w.astype(jnp.bfloat16), None), (70, 41, Adapted(w, a, b, 0.5), None),
     ]:
         x = jnp.asarray(rng.standard_normal((rows, 20)).astype(np.float32))
@@ -400,9 +399,9 @@ def test_cpu_layouts_give_the_plain_forwards_bits(arch):
                       else {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
     assert isinstance(decode.layers, tuple) and len(decode.layers) == cfg.num_layers
     rope = rope_table_for(cfg)
-    # 90 tokens in a 128-row prefill (GEMM rows; 30 rows of logits: the head is no GEMM);
-    # decode steps of 1 (XLA's product) and 4 rows (the few-row kernel).
-    for n, t, block_q, rows in ((90, 128, BLOCK_Q, np.arange(0, 90, 3)), (1, 1, 1, None),
+    # 90 tokens in a 128-row prefill (GEMM rows; 15 rows of logits: the head's few-row
+    # kernel); decode steps of 1 and 4 rows (the few-row kernel).
+    for n, t, block_q, rows in ((90, 128, BLOCK_Q, np.arange(0, 90, 6)), (1, 1, 1, None),
                                 (4, 4, 1, None)):
         tokens, pos, writes, batch = one_sequence_step(cfg, n, t, block_q)
         attention = make_model_attention(cfg, "auto", block_q)

@@ -38,6 +38,7 @@ from akv_jax.kernels.projection import LayerIndexed, Projection
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.moe import moe_mlp
 from akv_jax.model.params import LayerParams, Params, stack_layers
+from akv_jax.model.row_sum import row_mean
 from akv_jax.pallas.dispatch import make_attention_fn, make_projection
 from akv_jax.pallas.metadata import AttentionFn, SegmentBatch
 from akv_jax.pallas.rotary import RopeTable, apply_rope, rotate_half_split
@@ -154,7 +155,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, scale_in_f32: bool = F
     """transformers' RMSNorm: normalise in float32, cast back, then scale (Llama, Qwen3), or
     scale in float32, then cast back (``scale_in_f32``: GPT-OSS)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(row_mean(xf * xf, keepdims=True) + eps)
     if scale_in_f32:
         return (weight.astype(jnp.float32) * xf).astype(x.dtype)
     return weight * xf.astype(x.dtype)
@@ -166,7 +167,8 @@ def rms_norm_over_heads(x: jax.Array, weight: jax.Array, eps: float) -> jax.Arra
     parallelism the heads are sharded: the mean over them is a cross-shard reduction, which
     GSPMD inserts (an all-reduce of [T] partial sums per norm)."""
     xf = x.astype(jnp.float32)
-    ms = jnp.mean(xf * xf, axis=(-2, -1), keepdims=True)
+    sq = (xf * xf).reshape(*x.shape[:-2], -1)
+    ms = row_mean(sq, keepdims=True)[..., None]
     return weight * (xf * jax.lax.rsqrt(ms + eps)).astype(x.dtype)
 
 

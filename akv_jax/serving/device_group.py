@@ -44,6 +44,7 @@ from akv_jax.model.forward import (
     split_layers,
 )
 from akv_jax.model.params import Params, logical_to_spec, make_mesh, shard_params, stack_row
+from akv_jax.model.row_sum import row_logsumexp
 from akv_jax.pallas.dispatch import make_projection, make_repos_fn
 from akv_jax.pallas.metadata import SegmentBatch, bucket
 from akv_jax.pallas.rotary import RopeTable
@@ -193,7 +194,7 @@ def greedy_rows(logits: jax.Array) -> StepLogits:
     ok = ~jnp.any(jnp.isnan(logits) | jnp.isposinf(logits), axis=-1)
     ok &= jnp.any(jnp.isfinite(logits), axis=-1)
     m = jnp.max(logits, axis=-1)
-    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
+    lse = row_logsumexp(logits)
     return StepLogits(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), m - lse, ok)
 
 
@@ -209,8 +210,7 @@ def masked_greedy(logits: jax.Array, rows: jax.Array, bits: jax.Array):
     words = bits.astype(jnp.uint32)[:, ids // 32]
     allowed = ((words >> (ids % 32)) & 1).astype(bool)
     tok = jnp.argmax(jnp.where(allowed, x, -jnp.inf), axis=-1).astype(jnp.int32)
-    m = jnp.max(x, axis=-1)
-    lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=-1))
+    lse = row_logsumexp(x)
     return tok, jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - lse
 
 

@@ -1,16 +1,17 @@
 """Matrix products on XLA:CPU as XLA FFI calls, float32: decode steps' few rows
 (``matmul.cc``) and prefill steps' many (``gemm.cc``).
 
-A decode step of 2-16 rows streams every weight once, so its projections should cost what a
+A decode step of 1-16 rows streams every weight once, so its projections should cost what a
 1-row step's do (XLA's matrix-vector product runs at the memory's speed); XLA:CPU's small-GEMM
 path is compute-bound there instead (figures: ``docs/cpu-kernels.md``).
 The few-row kernel reads each weight once in sequential blocks of rows, for up to 8 rows of
 ``x`` in registers. A prefill's many rows take a blocked GEMM (packed panels of ``w``,
-register tiles of 6 x 64 with AVX-512, 6 x 16 with AVX2), from MIN_GEMM_ROWS up (every
-prefill bucket), at XLA's speed or better. Both sum every output the same way (a chain of
-fused multiply-adds per slice of at most 256 ``k``, slices added in order: more accurate than
-one chain over all of ``k``, and than XLA's slices of 512), so a row's result is the same
-bits whichever kernel ran, however many rows the call had and whatever the host's caches.
+register tiles of 6 x 64 with AVX-512, 6 x 16 with AVX2), from MIN_GEMM_ROWS up (decode
+buckets past 16, every prefill bucket), at XLA's speed or better. Both sum every output the
+same way (a chain of fused multiply-adds per slice of at most 256 ``k``, slices added in
+order: more accurate than one chain over all of ``k``, and than XLA's slices of 512), so a
+row's result is the same bits whichever kernel ran, however many rows the call had and
+whatever the host's caches.
 
 :func:`matmul_gated` and :func:`matmul_packed`'s ``gate`` and ``residual`` finish a product
 in its kernel: SwiGLU's activation, a residual add (epilogues applied to each block of the
@@ -31,8 +32,8 @@ import numpy as np
 from akv_jax.kernels.cpu import ffi
 from akv_jax.kernels.projection import zero_past
 
-TARGET = "akv_cpu_matmul"  # x [M, K] @ w [K, N], 2..MAX_ROWS rows
-TARGET_NT = "akv_cpu_matmul_nt"  # x [M, K] @ w [N, K]^T, 2..MAX_ROWS rows
+TARGET = "akv_cpu_matmul"  # x [M, K] @ w [K, N], 1..MAX_ROWS rows
+TARGET_NT = "akv_cpu_matmul_nt"  # x [M, K] @ w [N, K]^T, 1..MAX_ROWS rows
 TARGET_GEMM = "akv_cpu_gemm"  # x [M, K] @ w [K, N], more rows
 TARGET_GEMM_PACKED = "akv_cpu_gemm_packed"  # the same from w packed ahead (pack_panels)
 # silu(gate) * (x @ w), SwiGLU's up projection with its activation as the epilogue (one
@@ -43,12 +44,11 @@ TARGET_GEMM_GATED = "akv_cpu_gemm_gated"
 # From packed panels, with an epilogue: SwiGLU's activation or a residual add.
 TARGET_GEMM_PACKED_EPILOGUE = "akv_cpu_gemm_packed_epilogue"
 EPILOGUE_SILU_MUL, EPILOGUE_ADD = 1, 2  # gemm.cc's Epilogue
-MAX_ROWS = 16  # the few-row kernel's: decode buckets 8 and 16; prefill rows start at 64
-# Fewest rows for which a model's projections take the GEMM: every prefill bucket, so a prefill
-# row's bits depend neither on the rows around it nor on the host's cache sizes (by which
-# XLA's products block), at XLA's speed (docs/cpu-kernels.md). Decode rows past MAX_ROWS
-# (24, 32, 48) keep XLA's products.
-MIN_GEMM_ROWS = 64
+MAX_ROWS = 16  # the few-row kernel's: decode buckets 1 to 16
+# Fewest rows for which a projection takes the GEMM: every row count takes one of the two
+# kernels, whose sums agree, so a row's bits depend neither on the rows around it nor on
+# the host's cache sizes (by which XLA's products block): docs/cpu-kernels.md.
+MIN_GEMM_ROWS = MAX_ROWS + 1
 
 
 def available() -> bool:
@@ -152,7 +152,7 @@ def _takes_kernel(x: jax.Array, w: jax.Array, gemm: bool) -> bool:
     rows = x.shape[0] if x.ndim == 2 else 0
     return (
         x.ndim == 2 and w.ndim == 2
-        and (2 <= rows <= MAX_ROWS or (gemm and rows >= MIN_GEMM_ROWS))
+        and (1 <= rows <= MAX_ROWS or (gemm and rows >= MIN_GEMM_ROWS))
         and x.dtype == w.dtype == jnp.float32
         and _unsharded()
         and available()
@@ -160,15 +160,16 @@ def _takes_kernel(x: jax.Array, w: jax.Array, gemm: bool) -> bool:
 
 
 def applies(x: jax.Array, w: jax.Array) -> bool:
-    """Whether ``x [M, K] @ w [K, N]`` takes a kernel: float32, 2..MAX_ROWS rows (1 row is
-    XLA's matrix-vector product, already at the memory's speed) or MIN_GEMM_ROWS and more,
-    no tensor-parallel mesh (an FFI call GSPMD cannot partition), and the kernels built."""
+    """Whether ``x [M, K] @ w [K, N]`` takes a kernel: float32 (the few-row kernel up to
+    MAX_ROWS rows, the GEMM from MIN_GEMM_ROWS), no tensor-parallel mesh (an FFI call GSPMD
+    cannot partition), and the kernels built."""
     return _takes_kernel(x, w, gemm=True)
 
 
 def applies_nt(x: jax.Array, w_nt: jax.Array) -> bool:
-    """Whether ``x [M, K] @ w_nt [N, K]^T`` takes the kernel: as :func:`applies`, 2..MAX_ROWS
-    rows only (the output head of a decode step; a prefill's is one row a segment)."""
+    """Whether ``x [M, K] @ w_nt [N, K]^T`` takes the kernel (a tied output head): as
+    :func:`applies`, 1..MAX_ROWS rows only (a step's logits rows, one a request; training's
+    many take XLA's product)."""
     return _takes_kernel(x, w_nt, gemm=False)
 
 
