@@ -93,7 +93,7 @@ def dense_all_experts(cfg, lp, h: jax.Array) -> jax.Array:
     """Every token through every expert; the routing weights pick the k that count."""
     if cfg.arch in ("qwen3_moe", "minimax_m2"):
         return _dense_all_experts_swiglu(cfg, lp, h)
-    experts, weights = route(cfg, lp, h)
+    experts, weights = route(cfg, lp, jnp.einsum("td,de->te", h, lp.router))
     dense_w = jnp.zeros((h.shape[0], cfg.num_experts), jnp.float32)
     dense_w = dense_w.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)
     gate = jnp.einsum("td,edf->tef", h, lp.expert_gate) + lp.expert_gate_bias
@@ -105,7 +105,8 @@ def dense_all_experts(cfg, lp, h: jax.Array) -> jax.Array:
 
 def _dense_all_experts_swiglu(cfg, lp, h: jax.Array) -> jax.Array:
     """Qwen3-MoE's and MiniMax-M2's layer (plain SwiGLU experts, no biases), all experts."""
-    experts, weights = (route_sigmoid if cfg.sigmoid_router else route_softmax_topk)(cfg, lp, h)
+    router = route_sigmoid if cfg.sigmoid_router else route_softmax_topk
+    experts, weights = router(cfg, lp, jnp.einsum("td,de->te", h, lp.router))
     dense_w = jnp.zeros((h.shape[0], cfg.num_experts), jnp.float32)
     dense_w = dense_w.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)
     gate = jnp.einsum("td,edf->tef", h, lp.expert_gate)

@@ -22,7 +22,7 @@ bounded in count and in time.
    declared length is over the server's 64 MiB limit (expect 413; 400 is counted apart as
    ``oversize_400``), ``POST /flush_cache`` (200, or 409 while requests run). Every 200 answer
    (tokens of a cut stream included) is compared with its reference: tokens equal, log-probs
-   within 1e-4.
+   bit for bit (float32; docs/design.md §4.1).
 3. Crash. Half-way through, the server gets SIGKILL and is started again with the same flags
    on the same port (so clients keep their URL). Clients see connection errors until it is
    back and retry; such errors between the kill and a few seconds after the restart is ready
@@ -71,7 +71,6 @@ from akv_jax.cache.ops import add_random_ops
 
 VOCAB = 512  # tiny_config's vocabulary
 BODY_LIMIT = 64 << 20  # protocol.Limits.max_body_bytes, the server default
-LOGPROB_TOL = 1e-4
 MAX_PROMPT_TOKENS = 320  # histories longer than this start afresh (keeps requests pool-sized)
 RESTART_GRACE_S = 5.0  # after the restart is ready, pooled connections may still fail once
 HIT = re.compile(r"Persistent compilation cache hit for '[^']*' with key '([^']+)'")
@@ -225,9 +224,9 @@ def compare(stats: Stats, h: History, tokens: list[int], lps: list[float], how: 
     n = len(tokens)
     ref_t, ref_l = h.tokens[:n], h.logprobs[:n]
     ok = n <= len(h.tokens) and tokens == ref_t and len(lps) == n
-    if ok and n:
-        ok = float(np.max(np.abs(np.asarray(lps, float) - np.asarray(ref_l, float)))) \
-            <= LOGPROB_TOL
+    if ok and n:  # JSON carries a float32 exactly: compare its bits
+        ok = np.array_equal(np.asarray(lps, np.float32).view(np.int32),
+                            np.asarray(ref_l, np.float32).view(np.int32))
     stats.compared_tokens += n
     if restart.after(t0):
         stats.after_restart_checked += 1

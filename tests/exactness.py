@@ -6,7 +6,8 @@ last boundary, repositions, multi-turn extensions of earlier requests) is sent t
 in several orders: one at a time in random orders, all at once, after a flush, in reverse
 order (every extension before its base), and through a pool so small that most state is
 evicted and restored between requests. Every answer is compared with the deliberately naive
-dense reference: tokens equal, float32 log-probs within 1e-4.
+dense reference (tokens equal, float32 log-probs within 1e-4) and, on request, with the same
+request's answer alone on the emptied engine, bit for bit.
 """
 
 from __future__ import annotations
@@ -124,7 +125,11 @@ def run_requests(engine: Engine, reqs: list[tuple], order: list[int], concurrent
     return [out[str(k)] for k in range(len(order))]
 
 
-def mismatches(refs: list[tuple], order: list[int], got: list[tuple]) -> list[str]:
+def mismatches(refs: list[tuple], order: list[int], got: list[tuple],
+               alone: list[tuple] | None = None) -> list[str]:
+    """Each answer against the dense reference (tokens, log-probs to 1e-4) and, given
+    ``alone`` (each request's answer alone on an empty engine of the same kind), against
+    that bit for bit (DESIGN §4.1)."""
     bad = []
     for i, (toks, lps, meta) in zip(order, got, strict=True):
         ref_toks, ref_lps = refs[i]
@@ -135,7 +140,25 @@ def mismatches(refs: list[tuple], order: list[int], got: list[tuple]) -> list[st
         elif not np.allclose(lps, ref_lps, rtol=0, atol=LOGPROB_ATOL):
             err = np.max(np.abs(np.asarray(lps) - np.asarray(ref_lps)))
             bad.append(f"request {i}: log-probs off by {err:.3g}")
+        elif alone is not None and not np.array_equal(float32_bits(lps),
+                                                      float32_bits(alone[i][1])):
+            at = np.nonzero(float32_bits(lps) != float32_bits(alone[i][1]))[0].tolist()
+            bad.append(f"request {i}: log-prob bits differ from it alone at {at}")
     return bad
+
+
+def float32_bits(x) -> np.ndarray:
+    return np.asarray(x, np.float32).view(np.int32)
+
+
+def answers_alone(engine: Engine, reqs: list[tuple]) -> list[tuple]:
+    """Each request alone on ``engine`` emptied before it (the engine's cache flushed)."""
+    out = []
+    for i in range(len(reqs)):
+        assert engine.flush_cache()
+        out += run_requests(engine, reqs, [i], False)
+    assert engine.flush_cache()
+    return out
 
 
 def pool_that_forces_eviction(reqs: list[tuple], page_size: int, times: float,
@@ -153,21 +176,24 @@ def pool_that_forces_eviction(reqs: list[tuple], page_size: int, times: float,
 
 def exact_in_any_order(make_engine: Callable[..., Engine], model, reqs: list[tuple],
                        refs: list[tuple], seed: int, page_size: int = 4,
-                       host_tier: bool = True) -> dict:
+                       host_tier: bool = True, bitwise: bool = False) -> dict:
     """Run the whole protocol; returns counters of the small-pool engine. Raises
     AssertionError listing every mismatch with the phase it appeared in. ``host_tier``: also
     the host-tier phases (the tier copies bytes, whatever the attention backend or model: the
-    callers run them once per topology, not once per backend and model)."""
+    callers run them once per topology, not once per backend and model). ``bitwise``: also
+    each answer against the request alone, bit for bit."""
     rng = np.random.default_rng(seed)
     n = len(reqs)
     forward, backward = list(range(n)), list(range(n))[::-1]
     bad: list[str] = []
 
+    big = make_engine(max_total_tokens=16384, page_size=page_size)
+    alone = answers_alone(big, reqs) if bitwise else None
+
     def phase(eng, name, order, concurrent):
         got = run_requests(eng, reqs, order, concurrent)
-        bad.extend(f"{name}: {m}" for m in mismatches(refs, order, got))
+        bad.extend(f"{name}: {m}" for m in mismatches(refs, order, got, alone))
 
-    big = make_engine(max_total_tokens=16384, page_size=page_size)
     phase(big, "serial", forward, False)
     phase(big, "concurrent", list(rng.permutation(n)), True)
     assert big.flush_cache() and big.cache.pool.used_pages == 0
@@ -222,7 +248,8 @@ def tiny_dense_model() -> SimpleNamespace:
 def check_protocol(model, topology: dict, num_requests: int, history_seed: int,
                    order_seed: int, host_tier: bool = False) -> None:
     """Random histories through :func:`exact_in_any_order` on ``topology`` (Engine keyword
-    arguments: ``tp``, ``disaggregate``), against the dense reference; the small pool must
+    arguments: ``tp``, ``disaggregate``), against the dense reference (not bit for bit: a
+    sharded step's products are XLA's, which block by shape); the small pool must
     really evict and restore. ``host_tier``: with the host tier's phases (once per topology:
     the tier moves bytes, whatever the model). For the multidevice processes."""
     if jax.device_count() < 4:

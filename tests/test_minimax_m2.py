@@ -113,7 +113,7 @@ def test_moe_block_matches_per_token_oracle(fixture_model):
     got = np.asarray(jax.jit(lambda lp, h: moe_mlp(m.cfg, lp, h))(lp0, jnp.asarray(h)))
     want, chosen = _moe_oracle(m.cfg, lp0, h.astype(np.float64))
     np.testing.assert_allclose(got, want, atol=2e-5)
-    idx, w = jax.jit(lambda lp, h: route_sigmoid(m.cfg, lp, h))(lp0, jnp.asarray(h))
+    idx, w = jax.jit(lambda lp, h: route_sigmoid(m.cfg, lp, h @ lp.router))(lp0, jnp.asarray(h))
     assert [set(r) for r in np.asarray(idx).tolist()] == chosen
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, atol=1e-6)  # renormalised
     # The correction bias only chooses: without it other experts win for some tokens.

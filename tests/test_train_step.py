@@ -82,6 +82,8 @@ def test_steps_are_optax_adamw_on_the_loss_gradient(setup):
     for i, lr in enumerate((0.0, OPTIM.lr / 2)):
         state, m = step_fn(cfg, OPTIM)(state, batch)
         value, grads = vg(want)
+        noise = jax.tree.map(lambda g: np.abs(np.asarray(g)) < 1e-4 * np.abs(np.asarray(g)).max(),
+                             grads)
         want, opt = manual(grads, opt, want)
         np.testing.assert_allclose(float(m["loss"]), float(value), rtol=1e-6)
         np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
@@ -90,13 +92,19 @@ def test_steps_are_optax_adamw_on_the_loss_gradient(setup):
     assert float(m["tokens"]) == float(batch.weights.sum())
     assert int(m["rows"]) == int((batch.row_trajectory >= 0).sum())
     moved = 0.0
-    for a, b, p in zip(
+    for a, b, p, tiny in zip(
         jax.tree.leaves(state.trainable),
         jax.tree.leaves(want),
         jax.tree.leaves(params),
+        jax.tree.leaves(noise),
         strict=True,
     ):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+        # Adam divides a gradient by its own size: where it is a cancellation's residue (under
+        # 1e-4 of its leaf's largest), the step's and this separately compiled gradient round
+        # it differently and the update may differ by up to the learning rate.
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(np.where(tiny, b, a), b, atol=1e-6)
+        assert np.all(np.abs(a - b)[tiny] <= 2 * OPTIM.lr)
         moved = max(moved, float(jnp.abs(a - p).max()))
     assert moved > 1e-3
 

@@ -41,7 +41,7 @@ from akv_jax.model.params import LayerParams, Params, stack_layers
 from akv_jax.model.row_sum import row_mean
 from akv_jax.pallas.dispatch import make_attention_fn, make_projection
 from akv_jax.pallas.metadata import AttentionFn, SegmentBatch
-from akv_jax.pallas.rotary import RopeTable, apply_rope, rotate_half_split
+from akv_jax.pallas.rotary import RopeTable, apply_rope, rerotate, rotate_half_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,9 @@ class KVWrites:
     """Where each token's K/V goes: W versions per token (W >= 1).
 
     ``slots[w, t]`` is a flat pool slot (``page * page_size + offset``); a value outside the
-    pool means "no write". ``positions[w, t]`` is the RoPE position of that copy of the key.
+    pool means "no write". ``positions[w, t]`` is the RoPE position of that copy of the key;
+    version ``w > 0`` is version ``w - 1`` re-rotated to it (a hop of one chain: a version that
+    is not written still carries its position).
     """
 
     slots: jax.Array  # [W, T] int32
@@ -217,7 +219,7 @@ def layer_output(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Arra
         x = x + _bias(proj("thk,hkd->td", attn, lp.wo, live), lp.bo)
     h = _norm(cfg, x, lp.mlp_norm)
     if lp.router is not None:
-        return x + moe_mlp(cfg, lp, h)
+        return x + moe_mlp(cfg, lp, h, proj, live)
     gate = proj("td,df->tf", h, lp.w_gate, live)
     act = proj.gated(h, lp.w_up, gate, live)
     return proj.add("tf,fd->td", act, lp.w_down, x, live)
@@ -255,8 +257,14 @@ def decoder_layer(
     live = live_rows(batch)
     q, k, v = attention_inputs(cfg, lp, x, q_positions, rope, live, proj)
     ps = k_all.shape[2]
+    kw = None
     for w in range(writes.slots.shape[0]):  # W is small and static (position versions)
-        kw = rope_scaled(k, writes.positions[w], rope, cfg.rope.attention_scaling())
+        # Version w is version w-1 re-rotated, as a pre-pass copy makes it from a resident
+        # version: one canonical form of each version's bits, however it was made.
+        if kw is None:
+            kw = rope_scaled(k, writes.positions[0], rope, cfg.rope.attention_scaling())
+        else:
+            kw = rerotate(kw, writes.positions[w - 1], writes.positions[w], rope)
         kw = kw.astype(k_all.dtype)
         page, off = writes.slots[w] // ps, writes.slots[w] % ps  # slot P*ps -> page P: dropped
         k_all = k_all.at[layer, page, off].set(kw, mode="drop")

@@ -39,39 +39,40 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from akv_jax.kernels.projection import XLA, Projection
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.params import LayerParams
+from akv_jax.model.row_sum import row_softmax, row_sum
 from akv_jax.pallas.grouped_matmul import grouped_matmul
 
 
-def route(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(expert ids [T, k] int32, routing weights [T, k] float32) of tokens ``h`` [T, D]."""
-    logits = jnp.einsum("td,de->te", h, lp.router) + lp.router_bias
-    top, idx = jax.lax.top_k(logits.astype(jnp.float32), cfg.num_experts_per_tok)
-    return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
+def route(cfg: ModelConfig, lp: LayerParams, logits: jax.Array
+          ) -> tuple[jax.Array, jax.Array]:
+    """GPT-OSS's router on the logits ``h @ router`` [T, E]: (expert ids [T, k] int32,
+    routing weights [T, k] float32)."""
+    top, idx = jax.lax.top_k((logits + lp.router_bias).astype(jnp.float32),
+                             cfg.num_experts_per_tok)
+    return idx.astype(jnp.int32), row_softmax(top)
 
 
-def route_sigmoid(
-    cfg: ModelConfig, lp: LayerParams, h: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """MiniMax-M2's router: (expert ids [T, k] int32, routing weights [T, k] float32)."""
-    logits = jnp.einsum("td,de->te", h, lp.router)
+def route_sigmoid(cfg: ModelConfig, lp: LayerParams, logits: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """MiniMax-M2's router on the logits: (expert ids [T, k] int32, weights [T, k] float32)."""
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     _, idx = jax.lax.top_k(scores + lp.router_score_bias.astype(jnp.float32),
                            cfg.num_experts_per_tok)
     chosen = jnp.take_along_axis(scores, idx, axis=-1)
-    return idx.astype(jnp.int32), chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+    return idx.astype(jnp.int32), chosen / row_sum(chosen, keepdims=True)
 
 
-def route_softmax_topk(
-    cfg: ModelConfig, lp: LayerParams, h: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Qwen3-MoE's router: softmax over every expert in float32, top-k, optionally renormalised."""
-    logits = jnp.einsum("td,de->te", h, lp.router)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+def route_softmax_topk(cfg: ModelConfig, lp: LayerParams, logits: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Qwen3-MoE's router on the logits: softmax over every expert in float32, top-k,
+    optionally renormalised."""
+    probs = row_softmax(logits.astype(jnp.float32))
     top, idx = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
+        top = top / row_sum(top, keepdims=True)
     return idx.astype(jnp.int32), top
 
 
@@ -86,12 +87,15 @@ def _expert_bias(y: jax.Array, b: jax.Array | None, expert_of: jax.Array) -> jax
     return y if b is None else y + b[expert_of]
 
 
-def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> jax.Array:
-    """The MoE block on normed hidden states ``h`` [T, D] -> [T, D] (no residual)."""
+def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, proj: Projection = XLA,
+            live: jax.Array | None = None) -> jax.Array:
+    """The MoE block on normed hidden states ``h`` [T, D] -> [T, D] (no residual). The router
+    product runs on ``proj`` (a token's routing then does not depend on the rows beside it
+    where the backend's products do not); ``live``: see ``forward.live_rows``."""
     T, K, E = h.shape[0], cfg.num_experts_per_tok, cfg.num_experts
     router = (route_sigmoid if cfg.sigmoid_router
               else route_softmax_topk if cfg.arch == "qwen3_moe" else route)
-    experts, weights = router(cfg, lp, h)
+    experts, weights = router(cfg, lp, proj("td,de->te", h, lp.router, live))
     flat = experts.reshape(-1)  # [T*K], pair i is (token i // K, its (i % K)-th expert)
     order = jnp.argsort(flat, stable=True)
     expert_of = flat[order]

@@ -37,7 +37,20 @@ def row_mean(x: jax.Array, keepdims: bool = False) -> jax.Array:
     return row_sum(x, keepdims) / x.shape[-1]
 
 
+def row_max(x: jax.Array) -> jax.Array:
+    """``jnp.max(x, axis=-1, keepdims=True)`` (exact in any order), kept out of the fusion of
+    what follows: XLA:CPU fused into the reduction evaluates ``exp(x - max)`` with other
+    bits than the same exp on its own, and differently by the array's shape."""
+    return jax.lax.optimization_barrier(jnp.max(x, axis=-1, keepdims=True))
+
+
 def row_logsumexp(x: jax.Array) -> jax.Array:
     """``log(sum(exp(x)))`` over the last axis, shifted by the row's maximum."""
-    m = jnp.max(x, axis=-1)
-    return m + jnp.log(row_sum(jnp.exp(x - m[..., None])))
+    m = row_max(x)
+    return m[..., 0] + jnp.log(row_sum(jnp.exp(x - m)))
+
+
+def row_softmax(x: jax.Array) -> jax.Array:
+    """``jax.nn.softmax(x, axis=-1)`` from :func:`row_max` and :func:`row_sum`."""
+    e = jnp.exp(x - row_max(x))
+    return e / row_sum(e, keepdims=True)

@@ -23,7 +23,7 @@ from akv_jax.model.rope import rope_table_for
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, StepLogits, feed_pending, transfer_pages
 from akv_jax.serving.host_tier import HostKV
-from akv_jax.serving.work import Pass, RequestState
+from akv_jax.serving.work import NO_WRITE, Pass, RequestState
 
 PREFILL_BLOCK_Q = 64  # query rows per attention block in prefill forwards
 DECODE_BLOCK_Q = 1
@@ -182,8 +182,8 @@ class Executor:
             copies += p.copies
             if p.logits_row >= 0:
                 rows.append(off + p.logits_row)
-        if copies:
-            group.rerotate_copy(copies, self.rope)
+        for stage in sorted({c[4] for c in copies}):
+            group.rerotate_copy([c[:4] for c in copies if c[4] == stage], self.rope)
         # Padded to few shapes (see token_bucket); the block count follows from the token
         # count (each segment adds at most one partial block).
         T = token_bucket(len(tokens), block_q)
@@ -198,7 +198,7 @@ class Executor:
         pos_arr = np.zeros((W, T), np.int32)
         for t, ws in enumerate(writes):
             for w, (sl, pos) in enumerate(ws):
-                slot_arr[w, t], pos_arr[w, t] = sl, pos
+                slot_arr[w, t], pos_arr[w, t] = (sentinel if sl == NO_WRITE else sl), pos
         tok_arr = np.zeros(T, np.int32)
         tok_arr[: len(tokens)] = tokens
         if pending:

@@ -20,7 +20,7 @@ from akv_jax.pallas.metadata import SegmentSpec, pages_with_a_slot
 from akv_jax.serving.cache_manager import CacheManager
 from akv_jax.serving.radix import Node
 from akv_jax.serving.radix_keys import Op
-from akv_jax.serving.work import Pass, RequestState
+from akv_jax.serving.work import NO_WRITE, Pass, RequestState
 
 
 class PoolTooSmall(RuntimeError):
@@ -270,7 +270,11 @@ class Planner:
         tl, ps = r.tl, self.page_size
         p = Pass()
         pass_row: dict[int, int] = {}  # abs token -> row in this pass
-        src: dict[int, tuple[int, int]] = {}  # abs token -> (slot, pos) of a resident copy
+        # abs token -> (slot, pos) of its latest version: resident, or copied by this pass
+        # (copy stage k re-rotates what stage k - 1 copied, as the forward chains versions);
+        # None: written by the pass's forward.
+        src: dict[int, tuple[int, int] | None] = {}
+        stage = 0  # copy stage of the next computed repos node
         view: list[Node] = []
         # The view the last computed token node read: (it, its length then, what it saw,
         # its pieces). The final view usually starts with it, seen alike: extended, not redone.
@@ -322,24 +326,32 @@ class Planner:
                 view = [node]
                 if node.pages is None or not copies_needed:
                     # Emptied and unread (later versions come after it), or no copies to make.
+                    # A later version the pass writes hops through this one's position.
+                    for t in held if copies_needed else ():
+                        if t in pass_row:
+                            hop = (NO_WRITE, int(tl.version_pos[epoch][t]))
+                            p.writes[pass_row[t]].append(hop)
                     src = {}
                     continue
                 slots = _slots(node.pages, len(held), ps)
-                if node.id in compute:
-                    for t, sl in zip(held, slots, strict=True):
-                        new_pos = int(tl.version_pos[epoch][t])
-                        if src.get(t) is None and t in pass_row:
-                            p.writes[pass_row[t]].append((sl, new_pos))
-                        else:
-                            old_slot, old_pos = src[t]
-                            p.copies.append((old_slot, sl, old_pos, new_pos))
-                # Later copies start from this version only when it is resident already;
-                # otherwise they keep using the older resident copy or the pass's write.
+                pos = tl.version_pos[epoch]
                 if node.id not in compute:
-                    pos = tl.version_pos[epoch]
                     src = {t: (sl, int(pos[t])) for t, sl in zip(held, slots, strict=True)}
-                else:
-                    src = {t: src.get(t) for t in held}
+                    continue
+                nxt: dict[int, tuple[int, int] | None] = {}
+                for t, sl in zip(held, slots, strict=True):
+                    new_pos = int(pos[t])
+                    if src.get(t) is None and t in pass_row:
+                        p.writes[pass_row[t]].append((sl, new_pos))
+                        nxt[t] = None
+                    else:
+                        old_slot, old_pos = src[t]
+                        p.copies.append((old_slot, sl, old_pos, new_pos, stage))
+                        nxt[t] = (sl, new_pos)
+                src, stage = nxt, stage + 1
+        for ws in p.writes:  # hops that lead to no write
+            while ws[-1][0] == NO_WRITE:
+                ws.pop()
         last_tok = next(n for n in reversed(path) if n.kind == "tokens")
         p.logits_row = pass_row[last_tok.tok_start + len(last_tok.key) - 1]
         head_pages: list[np.ndarray] = []

@@ -22,6 +22,10 @@ from akv_jax.serving.types import GenerateRequest
 # and the host has not read yet (overlap scheduling, see overlap.py); only ever the last.
 PENDING = -1
 
+# A write's slot that writes nothing: a version its token's chain of re-rotations passes
+# through (see akv_jax.model.forward.KVWrites).
+NO_WRITE = -1
+
 
 @dataclasses.dataclass
 class Pass:
@@ -31,7 +35,9 @@ class Pass:
     q_pos: list[int] = dataclasses.field(default_factory=list)
     writes: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
     segments: list[SegmentSpec] = dataclasses.field(default_factory=list)
-    copies: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    # (src slot, dst slot, old pos, new pos, stage): a stage's copies run after the previous
+    # stage's, whose destinations they may read (a version re-rotated from the one before).
+    copies: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
     logits_row: int = -1  # -1: no logits wanted (a slice before the last)
     written_pages: list[int] = dataclasses.field(default_factory=list)
     restored_tokens: int = 0  # tokens of emptied nodes this pass recomputes (a restore)

@@ -56,16 +56,16 @@ constexpr int RT = 6;
 constexpr int QK_V = 2;
 constexpr int PV_V = 2;
 #endif
-// Rows per tile on the few-row path (a decode step: one token's G query heads), whose
-// scores are dot products read straight from the pool, a head of query vectors a row.
+// A block of at most this many rows (a decode step: one token's G query heads) runs one
+// tile of exactly its rows (attend's switch), with no padding rows to compute.
 constexpr int RT_FEW = 4;
 constexpr int RT_MAX = RT > RT_FEW ? RT : RT_FEW;
 static_assert(KV % QK_V == 0, "the score passes cover the tile's key vectors exactly");
 constexpr int BLK_FIELDS = 6;   // seg, q_start, q_len, kv_pos, lo, hi
-// Keys per chunk: a row's softmax runs per chunk of the compacted view (chunk c holds keys
-// [c * CH, (c + 1) * CH)) and the chunks fold in order. Their bounds depend on the view
-// alone, so a row's bits are the same whether one item ran all of its chunks or, when a
-// step has fewer items than threads (one long decode), each chunk ran on its own.
+// Keys per chunk: a row's softmax runs per chunk of the view's visible keys (chunk c holds
+// visible indices [c * CH, (c + 1) * CH)) and the chunks fold in order. Their bounds depend
+// on the view alone, so a row's bits are the same whether one item ran all of its chunks
+// or, when a step has fewer items than threads (one long decode), each chunk ran on its own.
 constexpr int64_t CH = 1024;
 static_assert(CH % TK == 0, "chunks hold whole tiles");
 
@@ -84,6 +84,7 @@ struct Problem {
   const int32_t* order;   // [S, MPp] view page of each compacted page
   const bool* kv_vis;     // [S, N] the view's slots a segment may attend
   const int32_t* kv_len;  // [S] slots in the segment's view
+  const int32_t* rank;    // [S, MPp + 1] visible slots before each compacted page
   const int32_t* blk;    // [NB, BLK_FIELDS]
   const int32_t* win;    // [NB, block_q] window start per row, or null
   const float* sinks;    // [Hq] or null
@@ -125,10 +126,15 @@ __attribute__((noinline)) void finish(const Problem& pb, int64_t b, int64_t h, c
   }
 }
 
-// The chunks [c0, c1) that block b's keys fall in.
+// The chunks [c0, c1) that block b's keys fall in (by visible index).
 inline void chunk_range(const Problem& pb, int64_t b, int64_t* c0, int64_t* c1) {
   const int32_t* bk = pb.blk + b * BLK_FIELDS;
-  const int64_t lo = int64_t(bk[4]) * pb.ps, hi = int64_t(bk[5]) * pb.ps;
+  if (bk[0] < 0) {
+    *c0 = *c1 = 0;
+    return;
+  }
+  const int32_t* rank = pb.rank + int64_t(bk[0]) * (pb.MPp + 1);
+  const int64_t lo = rank[bk[4]], hi = rank[bk[5]];
   *c0 = lo / CH;
   *c1 = hi > lo ? (hi + CH - 1) / CH : *c0;
 }
@@ -148,7 +154,7 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
   if (seg < 0 || q_len <= 0) return;
   const int64_t G = pb.G, Dh = NV * W, Hq = pb.Hq, ps = pb.ps;
   const int64_t R = int64_t(q_len) * G;               // real rows: (i, g) -> i * G + g
-  // Padded to whole register tiles (the few-row path reads RT_FEW rows).
+  // Padded to whole register tiles.
   const int64_t Rp = std::max<int64_t>((R + RT - 1) / RT * RT, RT_FEW);
 
   // The chunk's state (m, l, acc: what the tiles update) and the rows' running state.
@@ -164,11 +170,9 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
     start_row(pb, hq, &run_m[r], &run_l[r]);
   }
 
-  // Few rows (a decode step: one token's G query heads) score each key with dot products
-  // read straight from the pool; many rows share one transposed copy of the tile's keys.
-  // A head of one vector takes the transposed path at any row count: its dot products
-  // would be one multiply and a horizontal sum a key, and the sum costs more than the copy.
-  const bool few_rows = R <= RT_FEW && NV > 1;
+  // Every row scores a key the same way, one multiply-add chain over the head (keys
+  // transposed, a vector of keys at a time), whatever the row count: a token's attention has
+  // the same bits in a decode step and in a prefill (issue 38, bit for bit).
   alignas(64) float kt[NV * W * TK];  // keys transposed: [Dh][TK] (many rows)
   alignas(64) int32_t sp[TK];
   alignas(64) float p[RT_MAX * TK];  // a row tile's scores, then its probabilities
@@ -192,41 +196,25 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
 
   // NT query rows from r0 against the current tile: scores, the online softmax, and the
   // probabilities times the values into the rows' accumulators.
-  auto row_tile = [&](auto nt_tag, auto few_tag, int64_t r0) {
+  auto row_tile = [&](auto nt_tag, int64_t r0) {
     constexpr int NT = decltype(nt_tag)::value;
-    constexpr bool FEW = decltype(few_tag)::value;
     const float* qr = qs.data() + r0 * Dh;
-    if constexpr (FEW) {
-      vf qv[NT][NV];
+    // Scores of NT rows x TK keys, QK_V key vectors at a time: NT * QK_V accumulators in
+    // registers, each key vector loaded once for NT rows.
+    for (int c0 = 0; c0 < KV; c0 += QK_V) {
+      vf acc_s[NT][QK_V];
       for (int t = 0; t < NT; ++t)
-        for (int n = 0; n < NV; ++n) qv[t][n] = vload(qr + t * Dh + n * W);
-      for (int64_t j = 0; j < TK; ++j) {
-        vf kv[NV];
-        for (int n = 0; n < NV; ++n) kv[n] = vload(kp[j] + n * W);
+        for (int c = 0; c < QK_V; ++c) acc_s[t][c] = vf{};
+      for (int64_t d = 0; d < Dh; ++d) {
+        vf kd[QK_V];
+        for (int c = 0; c < QK_V; ++c) kd[c] = vload(kt + d * TK + (c0 + c) * W);
         for (int t = 0; t < NT; ++t) {
-          vf a = qv[t][0] * kv[0];
-          for (int n = 1; n < NV; ++n) a += qv[t][n] * kv[n];
-          p[t * TK + j] = hsum(a);
+          const vf qd = splat(qr[t * Dh + d]);
+          for (int c = 0; c < QK_V; ++c) acc_s[t][c] += qd * kd[c];
         }
       }
-    } else {
-      // Scores of NT rows x TK keys, QK_V key vectors at a time: NT * QK_V accumulators in
-      // registers, each key vector loaded once for NT rows.
-      for (int c0 = 0; c0 < KV; c0 += QK_V) {
-        vf acc_s[NT][QK_V];
-        for (int t = 0; t < NT; ++t)
-          for (int c = 0; c < QK_V; ++c) acc_s[t][c] = vf{};
-        for (int64_t d = 0; d < Dh; ++d) {
-          vf kd[QK_V];
-          for (int c = 0; c < QK_V; ++c) kd[c] = vload(kt + d * TK + (c0 + c) * W);
-          for (int t = 0; t < NT; ++t) {
-            const vf qd = splat(qr[t * Dh + d]);
-            for (int c = 0; c < QK_V; ++c) acc_s[t][c] += qd * kd[c];
-          }
-        }
-        for (int t = 0; t < NT; ++t)
-          for (int c = 0; c < QK_V; ++c) vstore(p + t * TK + (c0 + c) * W, acc_s[t][c]);
-      }
+      for (int t = 0; t < NT; ++t)
+        for (int c = 0; c < QK_V; ++c) vstore(p + t * TK + (c0 + c) * W, acc_s[t][c]);
     }
     // Every key of the tile visible to every row (most tiles of a long prefill: all keys
     // before the block's first row, inside every row's window): no masks to build or apply.
@@ -295,50 +283,58 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
     }
   };
 
+  const int32_t* seg_rank = pb.rank + int64_t(seg) * (pb.MPp + 1);
+  const int64_t r_lo = seg_rank[lo], r_hi = seg_rank[hi];
   for (int64_t chunk = c0; chunk < c1; ++chunk) {
-    const int64_t cb = std::max(lo * ps, chunk * CH), ce = std::min(hi * ps, (chunk + 1) * CH);
+    const int64_t rb = std::max(r_lo, chunk * CH), re = std::min(r_hi, (chunk + 1) * CH);
     std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());  // padding rows
     std::fill(l.begin(), l.end(), 0.f);                                      // see nothing
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t k0 = cb; k0 < ce; k0 += TK) {
-      nk = std::min<int64_t>(TK, ce - k0);
+    // The slot of visible index rb: its page by the rank table, then stepped to.
+    int64_t pg = std::upper_bound(seg_rank + lo, seg_rank + hi, int32_t(rb)) - seg_rank - 1;
+    int64_t off = 0, rank = seg_rank[pg];
+    auto seen = [&](int64_t pg, int64_t off) {
+      const int64_t vs = int64_t(seg_order[pg]) * ps + off;
+      return vs < seg_len && seg_vis[vs] ? vs : int64_t(-1);
+    };
+    auto step = [&]() {
+      if (++off == ps) {
+        off = 0;
+        ++pg;
+      }
+    };
+    for (; rank < rb; step()) rank += seen(pg, off) >= 0;
+    // A tile holds visible indices [t0, t0 + TK), key i in lane i - t0: a key's lane and
+    // tile depend on the view alone, not on the unseen slots between keys (a node that ends
+    // mid-page) nor on the block's first page (which a sliding window moves with the block).
+    for (int64_t t0 = rb / TK * TK; t0 < re; t0 += TK) {
+      nk = std::min<int64_t>(TK, re - t0);
       bool any = false;
-      dense = true;
+      int n_keys = 0;
       smin = std::numeric_limits<int32_t>::max();
       smax = -1;
-      // Key k0 + j is slot off of compacted page pg, stepped along rather than divided out
-      // a key (a 64-bit division is tens of cycles; a one-row step has little else to do).
-      int64_t pg = k0 / ps, off = k0 % ps;
       for (int64_t j = 0; j < TK; ++j) {
-        int32_t s = -1;
-        if (j < nk) {
-          const int64_t vs = int64_t(seg_order[pg]) * ps + off;
-          if (vs < seg_len && seg_vis[vs]) s = int32_t(vs);
-        }
-        if (s > max_pos) s = -1;
-        sp[j] = s;
-        if (s < 0) {
-          dense = false;
-          kp[j] = vp[j] = zeros;
-        } else {
-          any = true;
-          smin = std::min(smin, s);
-          smax = std::max(smax, s);
-          const int64_t slot = int64_t(seg_pages[pg]) * ps + off;
-          kp[j] = pb.k + slot * stride + h * Dh;
-          vp[j] = pb.v + slot * stride + h * Dh;
-        }
-        if (++off == ps) {
-          off = 0;
-          ++pg;
-        }
+        sp[j] = -1;
+        kp[j] = vp[j] = zeros;
       }
+      for (; rank < t0 + nk; step()) {
+        const int64_t vs = seen(pg, off);
+        if (vs < 0) continue;
+        const int64_t j = rank++ - t0;
+        if (vs > max_pos) continue;  // past the block's last row
+        const int32_t s = int32_t(vs);
+        sp[j] = s;
+        any = true;
+        ++n_keys;
+        smin = std::min(smin, s);
+        smax = std::max(smax, s);
+        const int64_t slot = int64_t(seg_pages[pg]) * ps + off;
+        kp[j] = pb.k + slot * stride + h * Dh;
+        vp[j] = pb.v + slot * stride + h * Dh;
+      }
+      dense = n_keys == TK;
       if (!any) continue;
       for (int c = 0; c < KV; ++c) spv[c] = viload(sp + c * W);
-      if (few_rows) {
-        row_tile(std::integral_constant<int, RT_FEW>{}, std::true_type{}, 0);
-        continue;
-      }
       // W x W blocks transposed in registers rather than element by element (fewer shuffles).
       for (int64_t j0 = 0; j0 < TK; j0 += W)
         for (int64_t d0 = 0; d0 < Dh; d0 += W) {
@@ -347,12 +343,15 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
           akv::transpose(blk);
           for (int i = 0; i < W; ++i) vstore(kt + (d0 + i) * TK + j0, blk[i]);
         }
-      if (R <= RT_FEW) {  // one token's query heads: no register tile of padding rows
-        row_tile(std::integral_constant<int, RT_FEW>{}, std::false_type{}, 0);
-        continue;
+      switch (R) {  // one token's query heads (a decode step): a tile of just its rows
+        case 1: row_tile(std::integral_constant<int, 1>{}, 0); continue;
+        case 2: row_tile(std::integral_constant<int, 2>{}, 0); continue;
+        case 3: row_tile(std::integral_constant<int, 3>{}, 0); continue;
+        case 4: row_tile(std::integral_constant<int, 4>{}, 0); continue;
+        default: break;
       }
       for (int64_t r0 = 0; r0 < R; r0 += RT)
-        row_tile(std::integral_constant<int, RT>{}, std::false_type{}, r0);
+        row_tile(std::integral_constant<int, RT>{}, r0);
     }
     if (partial) {
       for (int64_t r = 0; r < R; ++r) {
@@ -424,6 +423,28 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   std::memset(pb.out, 0, sizeof(float) * pb.T * pb.Hq * pb.Dh);  // rows no block covers
   const ItemFn fn = pick<16 / W>(pb.Dh / W);
   const int64_t NB = blk.dimensions()[0], n_items = NB * pb.Hkv;
+  // Visible slots before each compacted page of each segment, up to the last page a block
+  // of that segment reads (later entries are padding, never read).
+  const int64_t S = pages.dimensions()[0];
+  std::vector<int32_t> seg_hi(S, 0), rank(S * (pb.MPp + 1), 0);
+  for (int64_t b = 0; b < NB; ++b) {
+    const int32_t* bk = pb.blk + b * BLK_FIELDS;
+    if (bk[0] >= 0 && bk[0] < S) seg_hi[bk[0]] = std::max(seg_hi[bk[0]], bk[5]);
+  }
+  for (int64_t sg = 0; sg < S; ++sg) {
+    const int32_t* order_s = pb.order + sg * pb.MPp;
+    const bool* vis_s = pb.kv_vis + sg * pb.N;
+    int32_t* rank_s = rank.data() + sg * (pb.MPp + 1);
+    for (int64_t pg = 0; pg < pb.MPp; ++pg) {
+      int32_t n = 0;
+      for (int64_t off = 0; pg < seg_hi[sg] && off < pb.ps; ++off) {
+        const int64_t vs = int64_t(order_s[pg]) * pb.ps + off;
+        n += vs < pb.kv_len[sg] && vis_s[vs];
+      }
+      rank_s[pg + 1] = rank_s[pg] + n;
+    }
+  }
+  pb.rank = rank.data();
   // Items that read keys: fewer than the threads (one long decode step), and each
   // chunk of a block's keys becomes an item of its own, folded in order afterwards.
   int64_t n_chunks = 0, real = 0;
