@@ -126,6 +126,14 @@ __attribute__((noinline)) void finish(const Problem& pb, int64_t b, int64_t h, c
   }
 }
 
+// The view index of compacted slot (pg, off) of a segment (its pages' view order ``order``,
+// its visible slots ``vis`` of ``len``), or -1 when the view hides it.
+inline int64_t view_index(const int32_t* order, const bool* vis, int64_t len, int64_t ps,
+                          int64_t pg, int64_t off) {
+  const int64_t vs = int64_t(order[pg]) * ps + off;
+  return vs < len && vis[vs] ? vs : -1;
+}
+
 // The chunks [c0, c1) that block b's keys fall in (by visible index).
 inline void chunk_range(const Problem& pb, int64_t b, int64_t* c0, int64_t* c1) {
   const int32_t* bk = pb.blk + b * BLK_FIELDS;
@@ -294,8 +302,7 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
     int64_t pg = std::upper_bound(seg_rank + lo, seg_rank + hi, int32_t(rb)) - seg_rank - 1;
     int64_t off = 0, rank = seg_rank[pg];
     auto seen = [&](int64_t pg, int64_t off) {
-      const int64_t vs = int64_t(seg_order[pg]) * ps + off;
-      return vs < seg_len && seg_vis[vs] ? vs : int64_t(-1);
+      return view_index(seg_order, seg_vis, seg_len, ps, pg, off);
     };
     auto step = [&]() {
       if (++off == ps) {
@@ -309,7 +316,6 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
     // mid-page) nor on the block's first page (which a sliding window moves with the block).
     for (int64_t t0 = rb / TK * TK; t0 < re; t0 += TK) {
       nk = std::min<int64_t>(TK, re - t0);
-      bool any = false;
       int n_keys = 0;
       smin = std::numeric_limits<int32_t>::max();
       smax = -1;
@@ -324,7 +330,6 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
         if (vs > max_pos) continue;  // past the block's last row
         const int32_t s = int32_t(vs);
         sp[j] = s;
-        any = true;
         ++n_keys;
         smin = std::min(smin, s);
         smax = std::max(smax, s);
@@ -333,7 +338,7 @@ void attend(const Problem& pb, int64_t b, int64_t h, int64_t c0, int64_t c1, flo
         vp[j] = pb.v + slot * stride + h * Dh;
       }
       dense = n_keys == TK;
-      if (!any) continue;
+      if (n_keys == 0) continue;
       for (int c = 0; c < KV; ++c) spv[c] = viload(sp + c * W);
       // W x W blocks transposed in registers rather than element by element (fewer shuffles).
       for (int64_t j0 = 0; j0 < TK; j0 += W)
@@ -437,10 +442,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
     int32_t* rank_s = rank.data() + sg * (pb.MPp + 1);
     for (int64_t pg = 0; pg < pb.MPp; ++pg) {
       int32_t n = 0;
-      for (int64_t off = 0; pg < seg_hi[sg] && off < pb.ps; ++off) {
-        const int64_t vs = int64_t(order_s[pg]) * pb.ps + off;
-        n += vs < pb.kv_len[sg] && vis_s[vs];
-      }
+      for (int64_t off = 0; pg < seg_hi[sg] && off < pb.ps; ++off)
+        n += view_index(order_s, vis_s, pb.kv_len[sg], pb.ps, pg, off) >= 0;
       rank_s[pg + 1] = rank_s[pg] + n;
     }
   }
