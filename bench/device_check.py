@@ -775,7 +775,7 @@ def step_check(cpu: bool) -> dict:
 
     def step() -> Any:
         return group.forward(inp.tokens, inp.q_pos, inp.writes, inp.batch, rope, attention,
-                             inp.rows, unrolled=True)
+                             inp.rows)
 
     secs = time_per_call(step, jax.block_until_ready, iters=1 if cpu else 10)
     # The roofline of the real step, on this device's figures (elsewhere the H200's, for

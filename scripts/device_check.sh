@@ -13,7 +13,7 @@
 # ("device_check: K/N checks pass on ...") and $OUT/summary.json. Budgets (seconds) on a
 # device / with --cpu; expected on an H200 about 5 minutes in all:
 #   kernels    150 / 120  segment attention and repos vs the jnp references, f32 and bf16
-#   engine     150 / 150  the engine on tiny, tiny-gpt-oss, tiny-qwen3-moe vs the dense reference
+#   engine     150 / 200  the engine on tiny, tiny-gpt-oss, tiny-qwen3-moe vs the dense reference
 #   bandwidth   60 /  60  decode attention's achieved HBM bandwidth, three model shapes
 #   peer        45 /  30  torch's SDPA on the same shapes (its own process, no jax; if torch)
 #   step       140 /  90  a GPT-OSS-20B-shaped decode step's tokens/s vs its roofline
@@ -76,7 +76,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 if [ "$cpu" = 1 ]; then
   export JAX_PLATFORMS=cpu
   flag=--cpu
-  budgets="kernels=120 engine=150 bandwidth=60 peer=30 step=90"
+  budgets="kernels=120 engine=200 bandwidth=60 peer=30 step=90"
 else
   # Compiled programs kept between runs on the same (warm) machine: a rerun compiles less.
   export JAX_COMPILATION_CACHE_DIR="$root/.device_check_cache"

@@ -14,6 +14,12 @@ aot_build=$!
 # the suite is single-threaded (XLA compiles, Pallas interpret mode), and a module keeps its
 # fixtures in one process.
 workers="${AKV_TEST_WORKERS:-2}"
+# One persistent XLA compilation cache for the run (emptied first): most of the suite's time
+# is XLA compiles of the same tiny models' steps, in every test module, worker and server
+# process. A server's --compile-cache-dir still wins for its own process.
+export JAX_COMPILATION_CACHE_DIR="$root/.ci-logs/jax-cache"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+rm -rf "$JAX_COMPILATION_CACHE_DIR"
 # --durations: the slowest tests in the log, to keep the suite inside CI's 30 minutes.
 "$py" -m pytest -q -ra -n "$workers" --dist loadfile --durations=25 "$@"
 # The GPU device check's plumbing, on the CPU (small shapes, Pallas interpreted): what a lent
@@ -25,4 +31,4 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra \
 # Deviceless compiles for every GPU and TPU target (own venv, own processes): fails CI when a
 # target rejects a kernel or the serving step.
 wait "$aot_build" || { cat .ci-logs/aot-build.log >&2; exit 1; }
-bash scripts/aot.sh
+env -u JAX_COMPILATION_CACHE_DIR bash scripts/aot.sh

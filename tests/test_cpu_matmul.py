@@ -19,7 +19,7 @@ from akv_jax.model.causal import BLOCK_Q, PAGE_SIZE, one_segment_batch
 from akv_jax.model.forward import KVPool, KVWrites, forward, make_model_attention
 from akv_jax.model.params import init_params
 from akv_jax.model.rope import rope_table_for
-from akv_jax.serving.device_group import DeviceGroup, cpu_layouts
+from akv_jax.serving.device_group import DeviceGroup, cpu_layout
 
 
 def ffi_targets(jaxpr: str) -> set[str]:
@@ -182,6 +182,9 @@ def test_gated_rows_do_not_depend_on_the_kernel():
     assert ffi_targets(str(jax.make_jaxpr(packed)(x, panels, gate))) == {
         cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE}
     np.testing.assert_array_equal(np.asarray(packed(x, panels, gate)), full)
+    for rows in (slice(0, 1), slice(0, 4), slice(284, 300)):  # a decode step's few rows
+        np.testing.assert_array_equal(np.asarray(packed(x[rows], panels, gate[rows])),
+                                      full[rows])
     live = jnp.int32(123)
     got = np.asarray(cpu_matmul.matmul_packed(x, panels, jnp.int32(0), 70, live, gate))
     np.testing.assert_array_equal(got[:123], full[:123])
@@ -288,7 +291,7 @@ def test_project_zeroes_rows_past_live_on_every_path():
 
 def test_project_gated_on_every_path():
     """The MLP's gated product takes the gated kernels where the plain one takes a kernel
-    (from a plain or a packed weight; a packed one's few rows unpack it), XLA's silu
+    (from a plain or a packed weight: a packed one's at every row count), XLA's silu
     elsewhere (bfloat16, a LoRA-adapted weight); each is silu(gate) * (x @ w),
     zero past ``live``."""
     rng = np.random.default_rng(8)
@@ -299,7 +302,7 @@ def test_project_gated_on_every_path():
     g, p = cpu_matmul.TARGET_GEMM_GATED, cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE
     for rows, live, weight, target in [
         (70, 41, w, g), (70, 41, packed, p), (12, 5, w, cpu_matmul.TARGET_GATED),
-        (12, 5, packed, cpu_matmul.TARGET_GATED), (32, 20, w, g),
+        (12, 5, packed, p), (32, 20, w, g),
         (70, 41, w.astype(jnp.bfloat16), None), (70, 41, Adapted(w, a, b, 0.5), None),
     ]:
         x = jnp.asarray(rng.standard_normal((rows, 20)).astype(np.float32))
@@ -317,11 +320,13 @@ def test_project_gated_on_every_path():
 
 
 @pytest.mark.parametrize("rows,k,n,live", [(64, 48, 80, 64), (100, 576, 200, 77),
-                                           (128, 32, 16, 0), (70, 300, 64, 70)])
+                                           (128, 32, 16, 0), (70, 300, 64, 70),
+                                           (1, 576, 200, 1), (4, 300, 64, 3), (16, 48, 80, 16)])
 def test_packed_gemm_is_the_gemm(rows, k, n, live):
     """The GEMM from panels packed ahead (any layer of the stack, N not a multiple of the
-    panel width, padding rows) returns the bits the GEMM of the plain weight does, and the
-    packing unpacks to the weight (what the lowering off the CPU multiplies by)."""
+    panel width, padding rows) returns the bits the plain weight's kernel does (the GEMM's,
+    or the few-row kernel's for a decode step's 1-16 rows), and the packing unpacks to the
+    weight (what the lowering off the CPU multiplies by)."""
     rng = np.random.default_rng(7)
     w = jnp.asarray(rng.standard_normal((3, k, n)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
@@ -385,22 +390,21 @@ def one_sequence_step(cfg, n: int, t: int, block_q: int, pages: int = 8):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_cpu_layouts_give_the_plain_forwards_bits(arch):
-    """The CPU device group's layouts (prefill: stacks with the projections packed for the
-    GEMM, read in place by the layer scan; decode: per-layer weights, layers unrolled) give
-    the bits of the plain forward over the stacks as loaded, for models whose layer kinds
-    alternate (GPT-OSS's windows; Qwen3-MoE's dense and MoE layers, where a dense layer's
-    row in its stack is not its index); through the group's own step, logits and KV alike."""
+def test_cpu_layout_gives_the_plain_forwards_bits(arch):
+    """The CPU device group's one layout (the stacks with their projections packed for the
+    kernels, read in place by the layer scan at every row count) gives the bits of the plain
+    forward over the stacks as loaded, for models whose layer kinds alternate (GPT-OSS's
+    windows; Qwen3-MoE's dense and MoE layers, where a dense layer's row in its stack is not
+    its index); through the group's own step, logits and KV alike."""
     cfg = ARCHS[arch]()
     params = init_params(cfg, jax.random.key(3))
-    prefill, decode = cpu_layouts(cfg, params)
-    packed = {n for n, v in vars(prefill.layers).items() if isinstance(v, PackedStack)}
+    layout = cpu_layout(cfg, params)
+    packed = {n for n, v in vars(layout.layers).items() if isinstance(v, PackedStack)}
     assert packed == ({"wq", "wk", "wv", "wo"} if arch in ("gpt_oss", "minimax_m2")
                       else {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
-    assert isinstance(decode.layers, tuple) and len(decode.layers) == cfg.num_layers
     rope = rope_table_for(cfg)
-    # 90 tokens in a 128-row prefill (GEMM rows; 15 rows of logits: the head's few-row
-    # kernel); decode steps of 1 and 4 rows (the few-row kernel).
+    # 90 tokens in a 128-row prefill (15 rows of logits: the head's few-row kernel); decode
+    # steps of 1 and 4 rows.
     for n, t, block_q, rows in ((90, 128, BLOCK_Q, np.arange(0, 90, 6)), (1, 1, 1, None),
                                 (4, 4, 1, None)):
         tokens, pos, writes, batch = one_sequence_step(cfg, n, t, block_q)
@@ -414,18 +418,17 @@ def test_cpu_layouts_give_the_plain_forwards_bits(arch):
                            batch, rope, attention, logits_rows=rows)
 
         want_logits, want_kv = run(params)
-        layout = prefill if block_q > 1 else decode
         targets = ffi_targets(str(jax.make_jaxpr(run)(layout)))
+        # every projection reads the packed stacks, a decode step's few rows too; packed, the
+        # output projection without a bias (all but GPT-OSS's) carries its residual add, a
+        # dense MLP's up projection its activation (Qwen3-MoE's dense layers too)
+        assert cpu_matmul.TARGET_GEMM_PACKED in targets
+        assert (cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE in targets) == (arch != "gpt_oss")
         if block_q > 1:
-            assert cpu_matmul.TARGET_GEMM_PACKED in targets
-            # every projection reads the packed stacks; only an MoE router's product (a
-            # plain weight of E columns, on the kernels for bit for bit) takes the plain GEMM
+            # only an MoE router's product (a plain weight of E columns, on the kernels for
+            # bit for bit) takes the plain GEMM
             moe = arch in ("gpt_oss", "qwen3_moe", "minimax_m2")
             assert (cpu_matmul.TARGET_GEMM in targets) == moe
-            # packed, the output projection without a bias (all but GPT-OSS's) carries its
-            # residual add; a dense MLP's up projection its activation (Qwen3-MoE's dense
-            # layers too)
-            assert (cpu_matmul.TARGET_GEMM_PACKED_EPILOGUE in targets) == (arch != "gpt_oss")
             plain = ffi_targets(str(jax.make_jaxpr(run)(params)))
             assert (cpu_matmul.TARGET_GEMM_GATED in plain) == (arch in ("llama", "qwen3_moe"))
         got_logits, got_kv = run(layout)
@@ -435,8 +438,7 @@ def test_cpu_layouts_give_the_plain_forwards_bits(arch):
 
         group = DeviceGroup(cfg, params, 8, PAGE_SIZE, jnp.float32)
         step_rows = np.arange(n) if rows is None else rows
-        out = group.forward(tokens, pos, writes, batch, rope, attention, step_rows,
-                            unrolled=block_q == 1)
+        out = group.forward(tokens, pos, writes, batch, rope, attention, step_rows)
         np.testing.assert_array_equal(np.asarray(out.logits),
                                       np.asarray(want_logits)[: len(step_rows)])
         np.testing.assert_array_equal(np.asarray(group.kv.k), np.asarray(want_kv.k))

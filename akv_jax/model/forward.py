@@ -276,18 +276,6 @@ def decoder_layer(
     return layer_output(cfg, lp, x, attn, live, proj), k_all, v_all
 
 
-def split_layers(cfg: ModelConfig, layers: LayerParams) -> tuple[LayerParams, ...]:
-    """Every layer's params as arrays of their own (a copy): ``params.layers`` for
-    :func:`forward` to run unrolled. Called outside jit."""
-    period = layer_period(cfg)
-    grouped = _grouped_layers(cfg, layers, period)
-    return tuple(
-        _group_layer(cfg, jax.tree.map(lambda a, g=g: a[g], grouped), period, j)
-        for g in range(cfg.num_layers // period)
-        for j in range(period)
-    )
-
-
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -310,11 +298,8 @@ def forward(
     (default: the platform's, ``akv_jax.pallas.dispatch.make_projection``), which takes
     ``params`` in its layout.
 
-    ``params.layers`` stacked (a :class:`LayerParams`) run as a scan over the layers; a
-    tuple of per-layer :class:`LayerParams` (:func:`split_layers`) run unrolled, each layer
-    reading arrays of its own: XLA:CPU copies the weights a scan step slices out of the stacks
-    (it does not fuse a dynamic slice into a dot), which a small decode step, that only
-    streams the weights, pays for three times over.
+    The layers run as a scan over ``params.layers``' stacks; a weight the backend reads in
+    place (:class:`~akv_jax.kernels.projection.LayerIndexed`) is not sliced.
     """
     proj = projection or make_projection()
     x = params.embed[tokens]
@@ -322,14 +307,7 @@ def forward(
     def run(lp, idx, fn: AttentionFn, carry):
         return decoder_layer(cfg, lp, *carry, idx, q_positions, writes, batch, rope, fn, proj)
 
-    if isinstance(params.layers, tuple):
-        fns = _layer_attention(cfg, attention)
-        carry = (x, kv.k, kv.v)
-        for i, lp in enumerate(params.layers):
-            carry = run(lp, i, fns[i % len(fns)], carry)
-        x, k_all, v_all = carry
-    else:
-        x, k_all, v_all = _scan_layers(cfg, params.layers, attention, run, (x, kv.k, kv.v))
+    x, k_all, v_all = _scan_layers(cfg, params.layers, attention, run, (x, kv.k, kv.v))
     if logits_rows is not None:
         x = x[logits_rows]
     return lm_logits(params, cfg, x, proj), KVPool(k=k_all, v=v_all)

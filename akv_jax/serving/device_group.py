@@ -1,9 +1,9 @@
 """The device side of the engine: one group of devices holding params and a KV pool.
 
 A group picks its projection backend once (:func:`akv_jax.pallas.dispatch.make_projection`)
-and holds the weights in the layouts that backend reads; on the CPU (:func:`cpu_layouts`) each
-projection weight per layer for decode and packed for prefill's GEMM, the loaded stacks
-dropped.
+and holds the weights once, in the layout that backend reads: on the CPU
+(:func:`cpu_layout`) the float32 projection stacks packed for its kernels, read in place by
+every step's layer scan, the stacks as loaded dropped.
 
 Colocated serving uses one group (one device, or a ``("data", "tensor")`` mesh for
 ``--tp``). Disaggregated serving (``--disaggregate P,D``) uses two: prefill (and restores) run
@@ -41,7 +41,6 @@ from akv_jax.model.forward import (
     KVPool,
     KVWrites,
     forward,
-    split_layers,
 )
 from akv_jax.model.params import Params, logical_to_spec, make_mesh, shard_params, stack_row
 from akv_jax.model.row_sum import row_logsumexp
@@ -86,11 +85,10 @@ class DeviceGroup:
             kv = jax.device_put(kv, jax.local_devices()[0])
         self.kv = kv
         self.projection: Projection = make_projection()
-        # The weights prefill's and decode's forwards read: the same stacks, or on the CPU
-        # (one device) the layouts of cpu_layouts.
-        self.params = self.decode_params = params
+        # On the CPU (one device), the layout its kernels read.
+        self.params = params
         if self.mesh is None and jax.default_backend() == "cpu":
-            self.params, self.decode_params = cpu_layouts(cfg, params)
+            self.params = cpu_layout(cfg, params)
 
     def forward(
         self,
@@ -101,13 +99,11 @@ class DeviceGroup:
         rope: RopeTable,
         attention,
         rows: np.ndarray,
-        unrolled: bool = False,
     ) -> StepLogits:
         """Run one step; returns its logits rows and their greedy summary (still on device,
-        so dispatch stays async). ``unrolled``: a decode step, which reads
-        :attr:`decode_params` (on the CPU, per-layer weights: the layers run unrolled)."""
+        so dispatch stays async)."""
         out, kv = forward_step(
-            self.decode_params if unrolled else self.params,
+            self.params,
             self.cfg,
             tokens,
             q_pos,
@@ -139,23 +135,19 @@ class DeviceGroup:
         )
 
 
-def cpu_layouts(cfg: ModelConfig, params: Params) -> tuple[Params, Params]:
-    """The weights of a one-device CPU group: (prefill's, decode's). Decode runs its layers
-    unrolled over per-layer arrays (a scan step would copy the weights it slices: 2.3x the
-    weight traffic of a small decode step). Prefill keeps the scan, whose one compiled layer
-    body keeps its many shapes quick to compile, over stacks whose float32 projections are
-    packed for the GEMM (:class:`~akv_jax.kernels.cpu.projection.PackedStack`, read in place:
-    no copy of a weight per layer). So each projection weight is held twice, in the two
-    layouts the kernels read, and the stacks as loaded are not kept (docs/cpu-kernels.md)."""
+def cpu_layout(cfg: ModelConfig, params: Params) -> Params:
+    """The weights of a one-device CPU group: the stacks with their float32 projections
+    packed for the kernels (:class:`~akv_jax.kernels.cpu.projection.PackedStack`), which
+    every step's layer scan reads in place (no copy of a weight per layer: a scan slices the
+    other stacks, XLA:CPU copying each slice), and which the GEMM reads at every row count.
+    Each weight is held once; the stacks as loaded are not kept (docs/cpu-kernels.md)."""
     packed = {}
     for name, n_in in PROJECTION_IN_AXES.items():
         rows = [stack_row(cfg, name, i) or 0 for i in range(cfg.num_layers)]
         stack = pack_stack(getattr(params.layers, name), n_in, rows)
         if stack is not None:
             packed[name] = stack
-    prefill = dataclasses.replace(params, layers=dataclasses.replace(params.layers, **packed))
-    decode = dataclasses.replace(params, layers=split_layers(cfg, params.layers))
-    return prefill, decode
+    return dataclasses.replace(params, layers=dataclasses.replace(params.layers, **packed))
 
 
 def transfer_pages(src: DeviceGroup, dst: DeviceGroup, pages: list[int]) -> None:

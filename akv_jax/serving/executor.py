@@ -231,8 +231,7 @@ class Executor:
         # Host arrays: the jitted step moves them all in one go.
         writes_arr = KVWrites(slots=slot_arr, positions=pos_arr)
         return group.forward(
-            tok_arr, qp, writes_arr, batch, self.rope, self._attn[block_q], row_arr,
-            unrolled=block_q == DECODE_BLOCK_Q,
+            tok_arr, qp, writes_arr, batch, self.rope, self._attn[block_q], row_arr
         )
 
     def warm_up_shapes(self, prefill_chunk: int, max_running: int) -> int:

@@ -40,6 +40,7 @@ from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import KVWrites, forward_uncached, make_model_attention
 from akv_jax.model.params import Params
 from akv_jax.model.rope import rope_table_for
+from akv_jax.model.row_sum import row_logsumexp
 from akv_jax.pallas.metadata import bucket
 from akv_jax.pallas.rotary import RopeTable
 from akv_jax.train.example import TrainTrajectory
@@ -68,9 +69,11 @@ def train_attention(
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Per-row ``-log softmax(logits)[target]`` in float32: [..., V], [...] -> [...]."""
+    """Per-row ``-log softmax(logits)[target]`` in float32: [..., V], [...] -> [...]. The
+    server's log-softmax (:func:`~akv_jax.model.row_sum.row_logsumexp`), so a row scores a
+    served token with the negated bits of the log-prob the server returned for it."""
     logits = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = row_logsumexp(logits)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return lse - picked
 

@@ -94,9 +94,10 @@ def unpack_panels(panels: jax.Array, layer: jax.Array, n: int) -> jax.Array:
 
 def applies_packed(x: jax.Array, panels: jax.Array) -> bool:
     """Whether ``x [M, K]`` times a packed layer takes :func:`matmul_packed`: as
-    :func:`applies` with the GEMM's rows (MIN_GEMM_ROWS and more) and the packed kernel
-    built."""
-    return (x.ndim == 2 and x.shape[0] >= MIN_GEMM_ROWS and panels.ndim == 4
+    :func:`applies`, at every row count (a panel is one sequential stream of all of ``k``, so
+    a decode step's few rows read it at the memory's speed as the few-row kernel reads a
+    plain weight), with the packed kernel built."""
+    return (x.ndim == 2 and x.shape[0] >= 1 and panels.ndim == 4
             and x.dtype == panels.dtype == jnp.float32 and x.shape[1] == panels.shape[2]
             and _unsharded() and packs())
 
