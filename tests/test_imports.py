@@ -10,6 +10,7 @@
   ``akv_jax.kernels.cpu`` or a module in it (the forward is given its projection backend, as
   it is given its attention), and ``akv_jax/pallas/`` holds no C++ kernel (``.cc``, ``.h``)
   and no ``cpu_*`` file: those live in ``akv_jax/kernels/cpu/``.
+* No module under ``akv_jax/`` or ``converters/`` is over 450 lines.
 """
 
 from __future__ import annotations
@@ -220,3 +221,18 @@ def test_pallas_holds_no_cpu_kernel_file():
     assert not found, "C++ kernels or cpu_* files under akv_jax/pallas/ (they belong in " + (
         "akv_jax/kernels/cpu/):\n" + "\n".join(found)
     )
+
+
+MAX_MODULE_LINES = 450  # issue 37: a module past it holds more than one job
+
+
+def test_no_library_module_over_450_lines():
+    """Modules under ``akv_jax/`` and ``converters/`` stay small (bench/ and tests/ share
+    helpers instead of growing)."""
+    long = sorted(
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in source_files()
+        if path.relative_to(ROOT).parts[0] in ("akv_jax", "converters")
+        and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    )
+    assert not long, "\n".join(long)

@@ -49,13 +49,7 @@ from akv_jax.serving.cache_manager import CacheManager
 from akv_jax.serving.constrained_rows import MaskedGreedy
 from akv_jax.serving.device_group import StepLogits
 from akv_jax.serving.executor import Executor
-from akv_jax.serving.multihost import (
-    MultihostError,
-    digest,
-    is_peer_loss,
-    is_timeout,
-    peer_failure,
-)
+from akv_jax.serving.multihost import end_run_on_forward_error, step_digest
 from akv_jax.serving.overlap import Deferred, defer, link
 from akv_jax.serving.planner import Planner, PoolTooSmall
 from akv_jax.serving.radix_keys import RequestKeys
@@ -282,7 +276,7 @@ class Engine:
         link(decode_pass, previous)
         if self.replica_check is not None:
             # Multi-host: every process must run the same forwards on the same state.
-            self.replica_check(self.step_id, self._digest(slices, decode_pass))
+            self.replica_check(self.step_id, step_digest(self, slices, decode_pass))
         if slices or decode_pass:
             events.extend(self._run(slices, decode_pass, previous))
         elif previous is not None:
@@ -420,28 +414,10 @@ class Engine:
 
     def _forward_failed(self, work: Work, e: Exception, what: str) -> list[TokenEvent]:
         """Fail the requests whose rows a forward that raised carried."""
-        if jax.process_count() > 1:
-            # Its collectives may have run on some processes and not on others: no process
-            # can tell what the others' engines or KV hold any more.
-            if is_peer_loss(e) or is_timeout(e):
-                raise peer_failure(e) from e
-            raise MultihostError(f"the {what} forward failed: {describe_error(e)}") from e
+        end_run_on_forward_error(e, what)
         log.error("the %s forward failed; failing its %d requests", what, len(work), exc_info=e)
         msg = f"engine error ({what} forward): {describe_error(e)}"
         return [self.fail_request(r, msg, kv_unwritten=True) for r, _ in work]
-
-    def _digest(self, slices: Work, decode_pass: Work) -> bytes:
-        """What this step runs and the state it runs on, hashed (the same on every process
-        of a multi-host run unless their engines have diverged)."""
-        state = (
-            [(r.rid, len(p.tokens), p.logits_row) for r, p in slices],
-            [r.rid for r, _ in decode_pass],
-            self.cache.used_pages,
-            [r.rid for r in self.waiting],
-            sorted(self.running),
-            sorted(self.prefilling),
-        )
-        return digest(state)
 
     # ------------------------------------------------------------------ sampling
     def finish(self, r: RequestState, reason: str) -> TokenEvent:

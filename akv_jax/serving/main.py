@@ -39,28 +39,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _positive(name: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {v}")
-        return v
-
-    return parse
-
-
-def _at_least_zero(name: str, kind=int):
+def _at_least(name: str, low: int, kind=int):
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             what = "an integer" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
-        if not v >= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 0, got {text}")
+        if not v >= low:
+            raise argparse.ArgumentTypeError(f"{name} must be at least {low}, got {text}")
         return v
 
     return parse
@@ -94,52 +81,52 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mxfp4: keep MoE expert weights packed on the device (GPT-OSS's "
                    "released layout), dequantised per tile inside the grouped matmul")
     p.add_argument("--attention-backend", choices=("auto", "reference", "pallas"), default="auto")
-    p.add_argument("--max-total-tokens", type=_positive("--max-total-tokens"), default=16384,
+    p.add_argument("--max-total-tokens", type=_at_least("--max-total-tokens", 1), default=16384,
                    help="KV pool size in tokens")
-    p.add_argument("--host-kv-tokens", type=_at_least_zero("--host-kv-tokens"), default=None,
+    p.add_argument("--host-kv-tokens", type=_at_least("--host-kv-tokens", 0), default=None,
                    help="host-memory KV tier in tokens: evicted live KV is copied there and "
                         "reloaded instead of recomputed (default: 4x --max-total-tokens; 0: "
                         "none; single-process only)")
-    p.add_argument("--admission-window-s", type=_at_least_zero("--admission-window-s", float),
+    p.add_argument("--admission-window-s", type=_at_least("--admission-window-s", 0, float),
                    default=10.0,
                    help="while others run, a prefill waits rather than evict live KV used in "
                         "the last this many seconds that would be lost (not spilled)")
     p.add_argument("--admission-max-wait-s",
-                   type=_at_least_zero("--admission-max-wait-s", float), default=2.0,
+                   type=_at_least("--admission-max-wait-s", 0, float), default=2.0,
                    help="longest such a wait; then it evicts by least recent use")
-    p.add_argument("--page-size", type=_positive("--page-size"), default=16)
-    p.add_argument("--context-length", type=_positive("--context-length"), default=None,
+    p.add_argument("--page-size", type=_at_least("--page-size", 1), default=16)
+    p.add_argument("--context-length", type=_at_least("--context-length", 1), default=None,
                    help="position limit of a request (default: the model's "
                         "max_position_embeddings); above it only for the random 'tiny' model")
-    p.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel degree")
+    p.add_argument("--tp", type=_at_least("--tp", 1), default=1, help="tensor-parallel degree")
     p.add_argument("--dist-coordinator", default=None, metavar="HOST:PORT",
                    help="multi-host: jax.distributed coordinator address (process 0's)")
-    p.add_argument("--num-processes", type=_positive("--num-processes"), default=1,
+    p.add_argument("--num-processes", type=_at_least("--num-processes", 1), default=1,
                    help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=0,
                    help="multi-host: this process's id (0 serves HTTP, the others follow)")
-    p.add_argument("--collective-timeout", type=_positive("--collective-timeout"), default=600,
+    p.add_argument("--collective-timeout", type=_at_least("--collective-timeout", 1), default=600,
                    help="multi-host on CPUs: seconds a collective waits for its peers before "
                         "it fails with an error (a stuck or out-of-step process)")
     p.add_argument("--disaggregate", type=_pair, default=None, metavar="P,D",
                    help="prefill on the first P devices, decode on the next D")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health")
-    p.add_argument("--max-running-requests", type=_positive("--max-running-requests"),
+    p.add_argument("--max-running-requests", type=_at_least("--max-running-requests", 1),
                    default=16)
-    p.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=4096,
+    p.add_argument("--prefill-chunk", type=_at_least("--prefill-chunk", 1), default=4096,
                    help="most prompt tokens computed in one scheduler step; a longer prefill "
                         "runs in slices over several steps while running requests decode")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read every step's greedy tokens before planning the next (by default "
                         "they are read a step late, the next step planned while the device "
                         "runs: docs/serving.md)")
-    p.add_argument("--max-new-tokens-limit", type=_positive("--max-new-tokens-limit"),
+    p.add_argument("--max-new-tokens-limit", type=_at_least("--max-new-tokens-limit", 1),
                    default=32768, help="largest max_new_tokens / max_tokens a request may ask")
     p.add_argument("--reply-format", choices=FAMILIES, default=None,
                    help="how chat replies are parsed into content, reasoning and tool calls "
                         "(default: from the model's architecture; docs/agents.md)")
-    p.add_argument("--reasoning-budget", type=_at_least_zero("--reasoning-budget"),
+    p.add_argument("--reasoning-budget", type=_at_least("--reasoning-budget", 0),
                    default=256,
                    help="tokens a reply held to a tool call or JSON schema may reason first")
     p.add_argument("--compile-cache-dir", default=None,

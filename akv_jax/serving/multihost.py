@@ -145,6 +145,31 @@ def digest(obj: Any) -> bytes:
     return hashlib.blake2b(repr(obj).encode(), digest_size=8).digest()
 
 
+def step_digest(engine: Engine, slices: list, decode_pass: list) -> bytes:
+    """What ``engine``'s step runs (prefill ``slices``, the ``decode_pass``) and the state it
+    runs on, hashed: the same on every process of a multi-host run unless their engines have
+    diverged (:func:`check_replicas`)."""
+    state = (
+        [(r.rid, len(p.tokens), p.logits_row) for r, p in slices],
+        [r.rid for r, _ in decode_pass],
+        engine.cache.used_pages,
+        [r.rid for r in engine.waiting],
+        sorted(engine.running),
+        sorted(engine.prefilling),
+    )
+    return digest(state)
+
+
+def end_run_on_forward_error(e: Exception, what: str) -> None:
+    """Across several processes a forward that raised (the ``what`` forward) ends the run:
+    its collectives may have run on some processes and not on others, so no process can tell
+    what the others' engines or KV hold any more. Raises there; returns in one process."""
+    if jax.process_count() > 1:
+        if is_peer_loss(e) or is_timeout(e):
+            raise peer_failure(e) from e
+        raise MultihostError(f"the {what} forward failed: {describe_error(e)}") from e
+
+
 def apply_commands(engine: Engine, commands: list[tuple]) -> list[tuple[str, Any]]:
     """Apply replicated commands; returns (kind, result or exception) per command."""
     out = []
