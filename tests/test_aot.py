@@ -47,7 +47,8 @@ def test_ci_set_compiles_on_every_target(target):
         r = compile_kernel(target, case)
         assert r.ok, f"{r.name} on {target}: {r.error}"
         if TARGETS[target].platform == "cuda":
-            name = "akv_segment_attention" if case.kernel == "attention" else "akv_repos"
+            name = {"attention": "akv_segment_attention", "repos": "akv_repos",
+                    "matmul": "akv_fixed_tile_matmul"}[case.kernel]
             k = r.kernels[name]
             assert 0 < k["registers"] <= 255
             assert k["spill_stores"] == k["spill_loads"] == 0, (target, case.name, k)

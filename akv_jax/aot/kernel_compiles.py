@@ -1,6 +1,7 @@
-"""Deviceless compiles of the two Pallas kernels, segment attention and repos.
+"""Deviceless compiles of the Pallas kernels: segment attention, repos and the fixed-tile
+matmul of deterministic serving.
 
-Each at decode, prefill and restore shapes for each model's head layout, float32 and
+Attention at decode, prefill and restore shapes for each model's head layout, float32 and
 bfloat16, with sinks and the sliding window where the model has them (:func:`kernel_cases`),
 compiled on one device of the target by :func:`akv_jax.aot.compiler.compile_one`, which
 reads back the registers and spills (GPU) or scoped VMEM (TPU) of each kernel.
@@ -22,6 +23,7 @@ from akv_jax.aot.targets import TARGETS
 from akv_jax.model.presets import preset_config
 from akv_jax.model.rope import make_rope_table
 from akv_jax.pallas.dispatch import make_repos_fn
+from akv_jax.pallas.matmul import fixed_tile_matmul
 from akv_jax.pallas.metadata import SegmentBatch, SegmentSpec, build_segment_batch
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
 from akv_jax.pallas.segment_attention_tpu import segment_attention_tpu
@@ -69,7 +71,7 @@ def _segment_batch(phase: str, ps: int) -> tuple[SegmentBatch, int, int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class KernelCase:
-    kernel: str  # "attention" or "repos"
+    kernel: str  # "attention", "repos" or "matmul"
     model: str  # a preset whose head layout is used
     phase: str  # decode / prefill / restore ("-" for repos)
     dtype: str  # "f32" or "bf16"
@@ -83,13 +85,16 @@ class KernelCase:
 
 def kernel_cases(full: bool = True) -> list[KernelCase]:
     """Every layout x phase x dtype (``full``), or the CI set: attention at decode bf16 for
-    head dim 128 (Qwen3-8B) and for sinks + window (GPT-OSS), repos at head dim 128."""
+    head dim 128 (Qwen3-8B) and for sinks + window (GPT-OSS), repos at head dim 128, the
+    fixed-tile matmul at a decode step of Qwen3-8B's MLP (bf16)."""
     if not full:
         return [KernelCase("attention", "Qwen3-8B", "decode", "bf16"),
                 KernelCase("attention", "GPT-OSS-120B", "decode", "bf16"),
-                KernelCase("repos", "Qwen3-8B", "-", "bf16")]
+                KernelCase("repos", "Qwen3-8B", "-", "bf16"),
+                KernelCase("matmul", "Qwen3-8B", "decode", "bf16")]
     out = [KernelCase("attention", m, p, d) for m in KERNEL_LAYOUTS for p in PHASES for d in DTYPES]
     out += [KernelCase("repos", m, "-", d) for m in KERNEL_LAYOUTS for d in DTYPES]
+    out += [KernelCase("matmul", "Qwen3-8B", p, d) for p in ("decode", "prefill") for d in DTYPES]
     return out
 
 
@@ -106,6 +111,12 @@ def compile_kernel(
     dt = DTYPES[case.dtype]
     Hq, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     res = Result(case.kernel, target_name, case.name)
+    if case.kernel == "matmul":  # the MLP's up projection: 16 decode rows or a 512-row slice
+        rows = 16 if case.phase == "decode" else 512
+        args = (jax.ShapeDtypeStruct((rows, cfg.hidden_size), dt, sharding=sh),
+                jax.ShapeDtypeStruct((cfg.hidden_size, cfg.intermediate_size), dt, sharding=sh))
+        fn = functools.partial(fixed_tile_matmul, platform=t.platform)
+        return compile_one(res, t, fn, args, dev)
     if case.kernel == "repos":
         P, n = 4096, 64
         args = (
