@@ -42,9 +42,13 @@ DEFAULT_TILES = Tiles()
 GPU_FLOAT32_TILES = Tiles(bm=32, bn=64, bk=32)
 
 
+def is_gpu(platform: str) -> bool:
+    return platform in ("cuda", "gpu")
+
+
 def default_tiles(dtype, platform: str) -> Tiles:
     """The tiles of ``dtype`` operands on ``platform`` ("cuda", "tpu" or "cpu")."""
-    if platform in ("cuda", "gpu") and jnp.dtype(dtype) == jnp.float32:
+    if is_gpu(platform) and jnp.dtype(dtype) == jnp.float32:
         return GPU_FLOAT32_TILES
     return DEFAULT_TILES
 
@@ -102,7 +106,7 @@ def fixed_tile_matmul(
     out_dtype = out_dtype or x.dtype
     params = None
     if not interpret:
-        params = (plgpu.CompilerParams(num_warps=4, num_stages=2) if platform in ("cuda", "gpu")
+        params = (plgpu.CompilerParams(num_warps=4, num_stages=2) if is_gpu(platform)
                   else pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")))
     y = pl.pallas_call(
         functools.partial(_kernel, bk=bk),

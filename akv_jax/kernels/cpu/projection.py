@@ -4,10 +4,11 @@ whose products run the C++ kernels of :mod:`akv_jax.kernels.cpu.matmul` where th
 XLA's products elsewhere, with the same bits as those kernels wherever they run.
 
 Its layout: plain weights, or a stack packed for the GEMM once (:func:`pack_stack`, a
-:class:`PackedStack`), which a prefill's layer scan reads in place: each layer's projections
+:class:`PackedStack`), which every step's layer scan reads in place: each layer's projections
 get the stack and the layer's row (:class:`PackedRef`), so neither XLA (a dynamic slice that
 feeds a custom call is a copy on XLA:CPU) nor the kernel (its own packing) copies a weight
-per call. A packed weight's few rows (a decode step) unpack it: the same bits either way.
+per call. The packed GEMM takes every row count, a decode step's few included; where it does
+not apply (a tensor-parallel mesh) the layer is unpacked: the same bits either way.
 """
 
 from __future__ import annotations
