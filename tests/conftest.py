@@ -34,10 +34,12 @@ def _fresh_jax_caches():
 # hands files to its workers in collection order, so a long file collected last ran alone at
 # the end while the other worker sat idle (test_soak.py's minute did).
 LONGEST_FIRST = (
+    "test_bitwise.py",
     "test_exact_any_order_moe_multidevice.py",
     "test_exact_any_order_disaggregated_multidevice.py",
     "test_exact_any_order_multidevice.py",
     "test_train_multidevice.py",
+    "test_bitwise_multidevice.py",
     "test_engine_exact.py",
     "test_gpt_oss_ops.py",
     "test_gpt_oss_mxfp4.py",

@@ -246,12 +246,14 @@ def tiny_dense_model() -> SimpleNamespace:
 
 
 def check_protocol(model, topology: dict, num_requests: int, history_seed: int,
-                   order_seed: int, host_tier: bool = False) -> None:
+                   order_seed: int, host_tier: bool = False, bitwise: bool = False,
+                   backend: str = "reference") -> None:
     """Random histories through :func:`exact_in_any_order` on ``topology`` (Engine keyword
-    arguments: ``tp``, ``disaggregate``), against the dense reference (not bit for bit: a
-    sharded step's products are XLA's, which block by shape); the small pool must
-    really evict and restore. ``host_tier``: with the host tier's phases (once per topology:
-    the tier moves bytes, whatever the model). For the multidevice processes."""
+    arguments: ``tp``, ``disaggregate``) with attention ``backend``, against the dense
+    reference (``bitwise``: and each answer against the request alone on the same topology,
+    bit for bit); the small pool must really evict and restore. ``host_tier``: with the host
+    tier's phases (once per topology: the tier moves bytes, whatever the model). For the
+    multidevice processes."""
     if jax.device_count() < 4:
         import pytest  # here, not at the top: bench/device_check.py runs the harness without it
 
@@ -262,10 +264,10 @@ def check_protocol(model, topology: dict, num_requests: int, history_seed: int,
     refs = dense_answers(dm, reqs)
 
     def make_engine(**kw):
-        return Engine(model, attention_backend="reference", **topology, **kw)
+        return Engine(model, attention_backend=backend, **topology, **kw)
 
     stats = exact_in_any_order(make_engine, model, reqs, refs, seed=order_seed,
-                               host_tier=host_tier)
+                               host_tier=host_tier, bitwise=bitwise)
     assert stats["evictions"] > 0 and stats["restores"] > 0
     if host_tier:  # under tensor parallelism / disaggregation: spilled and reloaded
         assert stats["offloaded_pages[all]"] > 0 and stats["reloaded_pages[all]"] > 0

@@ -96,6 +96,21 @@ def test_auto_backend_compiles_the_mosaic_kernel_into_the_tpu_step():
     assert "akv_segment_attention" in r.vmem
 
 
+@pytest.mark.parametrize("target", ["H100", "TPU v5e"])
+def test_the_deterministic_step_compiles(target):
+    """``--deterministic``'s step: every projection, the tied head's transposed read included
+    where there is one, a fixed-tile Pallas matmul (SmolLM2: tied; on the GPU the attention
+    without split-K), in the server's own step; no spills on the GPU."""
+    r = compile_step(target, StepCase("SmolLM2-135M", 1, "decode", 1024, deterministic=True))
+    assert r.ok, r.error
+    if TARGETS[target].platform == "cuda":  # ptxas reports each variant (name__1, ...)
+        mm = [k for k in r.kernels if k.startswith("akv_fixed_tile_matmul")]
+        assert len(mm) >= 4 and "akv_segment_attention" in r.kernels, sorted(r.kernels)
+        assert all(k["spill_stores"] == 0 for k in r.kernels.values()), r.kernels
+    else:  # the scoped VMEM of each kernel name
+        assert {"akv_fixed_tile_matmul", "akv_segment_attention"} <= set(r.vmem), r.vmem
+
+
 def test_rerotated_copies_compile_tensor_parallel_on_tpu():
     """The server's re-rotated copies (``rerotate_copy_pool``: the repos kernel over gathered
     keys) at TP4 on a v5e: XLA:TPU cannot partition the Mosaic call, so it runs per head shard

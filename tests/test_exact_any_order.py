@@ -45,7 +45,7 @@ def setup():
 # C++ kernel on the CPU. Prefill in 7-row slices (cuts inside segments, at repos writes,
 # across restores) is slow-marked too: test_engine_exact covers slices on every CI run. So is
 # the reference backend here (3.5 minutes, the suite's longest case): CI runs the protocol
-# with it at --tp 2 and --disaggregate 2,2 (test_exact_any_order_*multidevice.py), and here
+# with it for the MoE models at --tp 2 (test_exact_any_order_moe_multidevice.py), and here
 # on "auto", the CPU's serving path, host tier included.
 @pytest.mark.parametrize(
     "backend, chunk, count",
@@ -71,7 +71,8 @@ def test_exact_in_any_order(setup, backend, chunk, count):
     assert cpu_matmul.MIN_GEMM_ROWS <= token_bucket(1, PREFILL_BLOCK_Q)
     host_tier = backend == "auto"  # the tier moves bytes: one backend covers it
     # Bit for bit against each request alone (DESIGN §4.1): the CPU's default backend and
-    # the reference; the Pallas body still moves bits with the batch.
+    # the reference. The Pallas body keeps its bits amid batches (test_bitwise.py) but not
+    # yet here: one log-prob of one request served after others were cached (page size 4).
     stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7, host_tier=host_tier,
                                bitwise=backend != "pallas")
     # The small pool really evicted and restored, dead KV first.

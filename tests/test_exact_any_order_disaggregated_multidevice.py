@@ -13,5 +13,7 @@ pytestmark = pytest.mark.multidevice
 
 
 def test_exact_in_any_order_disaggregated():
+    """The server's default attention, and each answer bit for bit against the request alone
+    on the same two groups."""
     check_protocol(tiny_dense_model(), {"disaggregate": (2, 2)}, num_requests=24,
-                   history_seed=1, order_seed=7, host_tier=True)
+                   history_seed=1, order_seed=7, host_tier=True, bitwise=True, backend="auto")

@@ -14,5 +14,7 @@ pytestmark = pytest.mark.multidevice
 
 
 def test_exact_in_any_order_at_tp2():
+    """The server's default attention (the CPU kernel per head shard), and each answer bit
+    for bit against the request alone at tp 2."""
     check_protocol(tiny_dense_model(), {"tp": 2}, num_requests=24, history_seed=1,
-                   order_seed=7, host_tier=True)
+                   order_seed=7, host_tier=True, bitwise=True, backend="auto")

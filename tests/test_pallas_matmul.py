@@ -64,10 +64,34 @@ def test_a_row_keeps_its_bits_whatever_rows_are_beside_it():
                     assert np.isnan(np.delete(got, place, axis=0)).all()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_transposed_weight_is_read_in_place(dtype):
+    """``transpose_w``: ``x @ w.T`` for ``w`` [N, K] (a tied embedding), against the float64
+    product, the reference, and the same product of the transposed copy, bit for bit."""
+    x, w = operands(19, 300, 260, dtype, seed=4)
+    wt = jnp.asarray(np.asarray(w, np.float32).T, dtype)  # [N, K]
+    got = fixed_tile_matmul(x, wt, tiles=SMALL, out_dtype=jnp.float32, transpose_w=True,
+                            interpret=True)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+    ref = matmul_reference(x, wt, transpose_w=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=tol, atol=tol)
+    plain = fixed_tile_matmul(x, w, tiles=SMALL, out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got).view(np.int32),
+                                  np.asarray(plain).view(np.int32))
+    alone = fixed_tile_matmul(x[5:6], wt, tiles=SMALL, out_dtype=jnp.float32,
+                              transpose_w=True, interpret=True)
+    np.testing.assert_array_equal(np.asarray(alone)[0].view(np.int32),
+                                  np.asarray(got)[5].view(np.int32))
+
+
 def test_shapes_must_agree():
     x, w = operands(4, 64, 32, jnp.float32)
     with pytest.raises(ValueError, match="fixed_tile_matmul"):
         fixed_tile_matmul(x, w[:32], interpret=True)
+    with pytest.raises(ValueError, match=r"\[32, 60\]\.T"):
+        fixed_tile_matmul(x, w[:60].T, transpose_w=True, interpret=True)
 
 
 def test_tiles_by_dtype_and_platform():

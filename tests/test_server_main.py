@@ -46,6 +46,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
         (["--max-total-tokens", "-5"], 2, "--max-total-tokens must be at least 1"),
         (["--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
         (["--tp", "2"], 2, "--tp 2: only 1 devices available"),
+        (["--tp", "2", "--deterministic"], 2, "--deterministic runs one device per group"),
         (["--disaggregate", "1,1"], 2, "needs 2 devices, 1 available"),
         (["--disaggregate", "4"], 2, "expected P,D (two integers)"),
         (["--max-total-tokens", "8", "--page-size", "16"], 2, "smaller than one page"),

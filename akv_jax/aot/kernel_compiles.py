@@ -86,15 +86,18 @@ class KernelCase:
 def kernel_cases(full: bool = True) -> list[KernelCase]:
     """Every layout x phase x dtype (``full``), or the CI set: attention at decode bf16 for
     head dim 128 (Qwen3-8B) and for sinks + window (GPT-OSS), repos at head dim 128, the
-    fixed-tile matmul at a decode step of Qwen3-8B's MLP (bf16)."""
+    fixed-tile matmul at a decode step of Qwen3-8B's MLP and of a tied vocabulary head (the
+    embedding read transposed in place), bf16."""
     if not full:
         return [KernelCase("attention", "Qwen3-8B", "decode", "bf16"),
                 KernelCase("attention", "GPT-OSS-120B", "decode", "bf16"),
                 KernelCase("repos", "Qwen3-8B", "-", "bf16"),
-                KernelCase("matmul", "Qwen3-8B", "decode", "bf16")]
+                KernelCase("matmul", "Qwen3-8B", "decode", "bf16"),
+                KernelCase("matmul", "Qwen3-8B", "head", "bf16")]
     out = [KernelCase("attention", m, p, d) for m in KERNEL_LAYOUTS for p in PHASES for d in DTYPES]
     out += [KernelCase("repos", m, "-", d) for m in KERNEL_LAYOUTS for d in DTYPES]
-    out += [KernelCase("matmul", "Qwen3-8B", p, d) for p in ("decode", "prefill") for d in DTYPES]
+    out += [KernelCase("matmul", "Qwen3-8B", p, d) for p in ("decode", "prefill", "head")
+            for d in DTYPES]
     return out
 
 
@@ -111,11 +114,16 @@ def compile_kernel(
     dt = DTYPES[case.dtype]
     Hq, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     res = Result(case.kernel, target_name, case.name)
-    if case.kernel == "matmul":  # the MLP's up projection: 16 decode rows or a 512-row slice
-        rows = 16 if case.phase == "decode" else 512
+    if case.kernel == "matmul":
+        # The MLP's up projection (16 decode rows or a 512-row slice), or 16 rows of a tied
+        # head: x @ embed.T, the embedding [V, D] read in place.
+        rows = 512 if case.phase == "prefill" else 16
+        head = case.phase == "head"
+        w = (cfg.vocab_size, cfg.hidden_size) if head else (cfg.hidden_size,
+                                                            cfg.intermediate_size)
         args = (jax.ShapeDtypeStruct((rows, cfg.hidden_size), dt, sharding=sh),
-                jax.ShapeDtypeStruct((cfg.hidden_size, cfg.intermediate_size), dt, sharding=sh))
-        fn = functools.partial(fixed_tile_matmul, platform=t.platform)
+                jax.ShapeDtypeStruct(w, dt, sharding=sh))
+        fn = functools.partial(fixed_tile_matmul, platform=t.platform, transpose_w=head)
         return compile_one(res, t, fn, args, dev)
     if case.kernel == "repos":
         P, n = 4096, 64

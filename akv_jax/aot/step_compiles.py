@@ -43,6 +43,7 @@ from akv_jax.model.params import (
 )
 from akv_jax.model.presets import preset_config
 from akv_jax.model.rope import rope_table_for
+from akv_jax.pallas.dispatch import make_projection
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import KV_AXES, forward_step
 from akv_jax.serving.executor import (
@@ -59,10 +60,12 @@ class StepCase:
     tp: int
     phase: str  # "decode" or "prefill"
     pool_tokens: int = 16384  # KV pool of the compiled step (the server's default size)
+    deterministic: bool = False  # --deterministic: fixed-tile products, no split-K
 
     @property
     def name(self) -> str:
-        return f"step {self.model} TP{self.tp} {self.phase} bf16"
+        mode = " deterministic" if self.deterministic else ""
+        return f"step {self.model} TP{self.tp} {self.phase} bf16{mode}"
 
 
 def step_cases(full: bool = True) -> list[StepCase]:
@@ -75,6 +78,7 @@ def step_cases(full: bool = True) -> list[StepCase]:
         StepCase("SmolLM2-135M", 1, "decode"),
         StepCase("SmolLM2-135M", 1, "prefill"),
         StepCase("Qwen3-8B", 1, "decode"),
+        StepCase("Qwen3-8B", 1, "decode", deterministic=True),
         StepCase("GPT-OSS-120B", 4, "prefill", 65536),
         StepCase("GPT-OSS-120B", 4, "decode", 65536),
     ]
@@ -225,14 +229,17 @@ def compile_step(target_name: str, case: StepCase) -> Result:
         cfg, case, devices
     )
     kw = {"num_cores": t.cores} if t.platform == "cuda" else {}
-    attention = make_model_attention(cfg, "auto", block_q, platform=t.platform, **kw)
+    attention = make_model_attention(cfg, "auto", block_q, platform=t.platform,
+                                     deterministic=case.deterministic, **kw)
+    projection = make_projection(t.platform, case.deterministic) if case.deterministic else None
     res.extra["kv_bytes_per_token"] = kv_bytes_per_token(cfg, case.tp)
     res.extra["pool_tokens"] = case.pool_tokens
     flops, nbytes = step_traffic(cfg, case)
     res.extra["traffic_flops"], res.extra["traffic_bytes"] = flops, nbytes
     # The server's own jitted step (static cfg, attention and mesh; the pool donated).
-    step = functools.partial(forward_step, mesh=mesh if case.tp > 1 else None)
-    step.lower = lambda *a: forward_step.lower(*a, mesh=mesh if case.tp > 1 else None)
+    static = dict(mesh=mesh if case.tp > 1 else None, projection=projection)
+    step = functools.partial(forward_step, **static)
+    step.lower = lambda *a: forward_step.lower(*a, **static)
     compile_one(
         res, t, step,
         (params, cfg, tokens, q_pos, kv, writes, batch, rope, attention, rows), devices[0],

@@ -35,6 +35,7 @@ from akv_jax.kernels.projection import XLA, Projection
 from akv_jax.pallas import repos as repos_lib
 from akv_jax.pallas import segment_attention_cpu as cpu_fused
 from akv_jax.pallas.chunked import segment_attention_chunked
+from akv_jax.pallas.fixed_tile_projection import fixed_tile_projection
 from akv_jax.pallas.metadata import AttentionFn, is_pow2
 from akv_jax.pallas.reference import repos_reference, segment_attention_reference
 from akv_jax.pallas.segment_attention_gpu import segment_attention_gpu
@@ -78,6 +79,7 @@ def make_attention_fn(
     sm_scale: float,
     sliding_window: int | None = None,
     platform: str | None = None,
+    deterministic: bool = False,
     **kernel_options: Any,
 ) -> AttentionFn:
     """Segment-batch attention for ``backend`` (see the module docstring):
@@ -88,9 +90,16 @@ def make_attention_fn(
     sink logits, GPT-OSS) are a per-layer parameter, so they come with each call.
     ``kernel_options`` go to the kernel body (e.g. ``kv_splits``, ``num_warps`` on the GPU,
     ``vmem_limit_bytes`` on the TPU) and are ignored by the reference.
+
+    ``deterministic``: a row's bits must not depend on the batch (``--deterministic``): the
+    GPU body runs without split-K, whose count follows the batch. Its interpreted runs on the
+    CPU always do (the CPU promises bits in every mode: docs/design.md); the TPU body and the
+    CPU's own kernels never split.
     """
     impl, interpret = resolve_backend(backend, platform)
     common = dict(block_q=block_q, sm_scale=sm_scale, sliding_window=sliding_window)
+    if impl == "gpu" and (deterministic or interpret):
+        kernel_options["kv_splits"] = 1
     if impl == "gpu" and not interpret and "num_cores" not in kernel_options:
         # Split-K is sized by the SM count of the GPU it runs on (a deviceless compile
         # names its target's instead: akv_jax.aot).
@@ -119,17 +128,47 @@ def _cpu_attention(common: dict[str, Any]) -> AttentionFn:
     """No Pallas lowering on this platform: the fused C++ kernel (segment_attention_cpu.py)
     where it built and takes the shapes, else the jnp path whose work follows the visible KV
     (chunked.py); both have the reference's semantics, which scores whole views. Under a
-    tensor-parallel mesh the jnp path, which GSPMD partitions (an FFI call it could not)."""
+    tensor-parallel mesh the kernel runs on each device's heads, as the Pallas kernels do
+    (:func:`_per_head_shard`); where the heads do not split evenly, the jnp path, which GSPMD
+    partitions (an FFI call it could not)."""
     chunked = functools.partial(segment_attention_chunked, **common)
     fused = functools.partial(cpu_fused.segment_attention_cpu, **common)
 
     def attention(q, k_pages, v_pages, batch, layer=None, sinks=None):
-        if (_tensor_mesh()[1] == 1 and cpu_fused.supports(q, k_pages, v_pages)
-                and cpu_fused.available()):
+        if not (cpu_fused.supports(q, k_pages, v_pages) and cpu_fused.available()):
+            return chunked(q, k_pages, v_pages, batch, layer=layer, sinks=sinks)
+        tp = _tensor_mesh()[1]
+        if tp == 1:
             return fused(q, k_pages, v_pages, batch, layer=layer, sinks=sinks)
-        return chunked(q, k_pages, v_pages, batch, layer=layer, sinks=sinks)
+        if k_pages.shape[-2] % tp or q.shape[1] % tp:
+            return chunked(q, k_pages, v_pages, batch, layer=layer, sinks=sinks)
+        return _fused_per_head_shard(fused, q, k_pages, v_pages, batch, layer, sinks)
 
     return attention
+
+
+def _fused_per_head_shard(fused, q, k_pages, v_pages, batch, layer, sinks) -> jax.Array:
+    """``fused`` on each device's kv heads and their query heads (pools of one layer or of
+    every layer, ``layer`` given)."""
+    from jax.sharding import PartitionSpec as P
+
+    heads = P(None, "tensor", None)
+    kv = P(*([None] * (k_pages.ndim - 2)), "tensor", None)
+    args, specs = [q, k_pages, v_pages, batch], [heads, kv, kv, P()]
+    for extra, spec in ((layer, P()), (sinks, P("tensor"))):
+        if extra is not None:
+            args.append(extra)
+            specs.append(spec)
+    has_layer, has_sinks = layer is not None, sinks is not None
+
+    def body(q, k, v, b, *extra):
+        it = iter(extra)
+        lyr = next(it) if has_layer else None
+        snk = next(it) if has_sinks else None
+        return fused(q, k, v, b, layer=lyr, sinks=snk)
+
+    return jax.shard_map(body, mesh=_tensor_mesh()[0], in_specs=tuple(specs),
+                         out_specs=heads, check_vma=False)(*args)
 
 
 def _tensor_mesh() -> tuple[jax.sharding.AbstractMesh, int]:
@@ -204,9 +243,13 @@ def make_repos_fn(
     return repos
 
 
-def make_projection(platform: str | None = None) -> Projection:
+def make_projection(platform: str | None = None, deterministic: bool = False) -> Projection:
     """The projection backend for ``platform`` (default: the running one): on the CPU the C++
     kernels' (:mod:`akv_jax.kernels.cpu.projection`: XLA's products for shapes its kernels do
-    not take, under a tensor-parallel mesh, and in a lowering for another platform);
-    elsewhere XLA's products."""
-    return CPU if (platform or jax.default_backend()) == "cpu" else XLA
+    not take, under a tensor-parallel mesh, and in a lowering for another platform), whose
+    rows keep their bits in any batch; elsewhere XLA's products, or with ``deterministic``
+    the fixed-tile Pallas matmul's (:mod:`akv_jax.pallas.fixed_tile_projection`)."""
+    platform = platform or jax.default_backend()
+    if platform == "cpu":
+        return CPU
+    return fixed_tile_projection(platform) if deterministic else XLA

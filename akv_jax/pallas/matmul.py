@@ -53,22 +53,26 @@ def default_tiles(dtype, platform: str) -> Tiles:
     return DEFAULT_TILES
 
 
-def matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` in float32 at full precision: what the kernel is checked against."""
+def matmul_reference(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
+    """``x @ w`` (``x @ w.T``) in float32 at full precision: what the kernel is checked
+    against."""
+    w = w.T if transpose_w else w
     return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, bk: int):
-    # x_ref [bm, Kp], w_ref [Kp, bn], o_ref [bm, bn]
+def _kernel(x_ref, w_ref, o_ref, *, bk: int, transpose_w: bool):
+    # x_ref [bm, Kp], w_ref [Kp, bn] ([bn, Kp] when transpose_w), o_ref [bm, bn]
     # float32 in full precision: a GPU's default float32 dot is TF32 (10 mantissa bits).
     prec = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+    w_k = 1 if transpose_w else 0  # w's contracted axis
 
     def body(i, acc):
         k0 = pl.multiple_of(i * bk, bk)
         x = x_ref[:, pl.ds(k0, bk)]
-        w = w_ref[pl.ds(k0, bk), :]
-        return acc + jnp.dot(x, w, precision=prec, preferred_element_type=jnp.float32)
+        w = w_ref[:, pl.ds(k0, bk)] if transpose_w else w_ref[pl.ds(k0, bk), :]
+        return acc + jax.lax.dot_general(x, w, (((1,), (w_k,)), ((), ())), precision=prec,
+                                         preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body,
                             jnp.zeros(o_ref.shape, jnp.float32))
@@ -82,23 +86,28 @@ def _pad_to(a: jax.Array, rows: int, cols: int) -> jax.Array:
     return jnp.pad(a, ((0, rows - r), (0, cols - c)))
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "out_dtype", "platform", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiles", "out_dtype", "transpose_w", "platform",
+                                             "interpret"))
 def fixed_tile_matmul(
     x: jax.Array,
     w: jax.Array,
     *,
     tiles: Tiles | None = None,
     out_dtype=None,
+    transpose_w: bool = False,
     platform: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``x [M, K] @ w [K, N]`` -> ``[M, N]`` (``out_dtype``, default x's), float32
     accumulation, each row's sums in an order fixed by ``tiles`` alone (default:
-    :func:`default_tiles`). ``platform`` ("cuda" or "tpu"; default the running backend) picks
-    the compiler parameters; ``interpret`` runs the body on any platform (tests)."""
-    (M, K), (K2, N) = x.shape, w.shape
+    :func:`default_tiles`). ``transpose_w``: ``w`` is [N, K] and the product ``x @ w.T``,
+    read in place (a tied embedding: no transposed copy per step). ``platform`` ("cuda" or
+    "tpu"; default the running backend) picks the compiler parameters; ``interpret`` runs the
+    body on any platform (tests)."""
+    (M, K), (N, K2) = x.shape, (w.shape[::-1] if not transpose_w else w.shape)
     if K != K2:
-        raise ValueError(f"fixed_tile_matmul: x [M, {K}] @ w [{K2}, N]")
+        shape = f"[{N}, {K2}].T" if transpose_w else f"[{K2}, {N}]"
+        raise ValueError(f"fixed_tile_matmul: x [M, {K}] @ w {shape}")
     platform = platform or jax.default_backend()
     tiles = tiles or default_tiles(x.dtype, platform)
     bm, bn, bk = tiles.bm, tiles.bn, tiles.bk
@@ -108,15 +117,18 @@ def fixed_tile_matmul(
     if not interpret:
         params = (plgpu.CompilerParams(num_warps=4, num_stages=2) if is_gpu(platform)
                   else pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")))
+    if transpose_w:
+        w_spec, w_padded = pl.BlockSpec((bn, Kp), lambda i, j: (j, 0)), _pad_to(w, Np, Kp)
+    else:
+        w_spec, w_padded = pl.BlockSpec((Kp, bn), lambda i, j: (0, j)), _pad_to(w, Kp, Np)
     y = pl.pallas_call(
-        functools.partial(_kernel, bk=bk),
+        functools.partial(_kernel, bk=bk, transpose_w=transpose_w),
         grid=(Mp // bm, Np // bn),
-        in_specs=[pl.BlockSpec((bm, Kp), lambda i, j: (i, 0)),
-                  pl.BlockSpec((Kp, bn), lambda i, j: (0, j))],
+        in_specs=[pl.BlockSpec((bm, Kp), lambda i, j: (i, 0)), w_spec],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype),
         compiler_params=params,
         interpret=interpret,
         name="akv_fixed_tile_matmul",
-    )(_pad_to(x, Mp, Kp), _pad_to(w, Kp, Np))
+    )(_pad_to(x, Mp, Kp), w_padded)
     return y[:M, :N]

@@ -17,7 +17,10 @@ per step so a step holds >= 16 keys. Page size must be a power of two.
 Split-K (``kv_splits`` > 1) runs several programs over disjoint parts of the page range, for
 decode where blocks x heads alone cannot fill the GPU; the per-split partial results
 (unnormalised accumulator, running max, running sum) are merged in :func:`merge_splits`,
-which also adds attention sinks. The reference is
+which also adds attention sinks. The default count follows the batch (:func:`default_kv_splits`:
+programs to fill the GPU), and so do the bits; with ``kv_splits=1`` (a deterministic
+attention: :func:`akv_jax.pallas.dispatch.make_attention_fn`) a row's sums depend on its own
+keys only, whatever the batch or the block it sits in. The reference is
 :func:`akv_jax.pallas.reference.segment_attention_reference`.
 """
 
@@ -73,9 +76,13 @@ def _gpu_kernel(
     ps = k_ref.shape[1]
     bk = pages_per_step * ps
     seg, kv_pos, lo, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
-    # This split's share of [lo, hi), in whole steps.
-    per_split = pl.cdiv(pl.cdiv(hi - lo, kv_splits), pages_per_step) * pages_per_step
-    start = lo + pl.program_id(2) * per_split
+    # Steps start at multiples of pages_per_step in the segment's compacted list, not at the
+    # block's lo (a window's rows move it): a key sits in the same step and lane whichever
+    # block reads it, so one split sums a row alike in any batch. Pages before lo are masked.
+    first = lo - lo % pages_per_step
+    # This split's share of [first, hi), in whole steps.
+    per_split = pl.cdiv(pl.cdiv(hi - first, kv_splits), pages_per_step) * pages_per_step
+    start = first + pl.program_id(2) * per_split
     end = jnp.minimum(hi, start + per_split)
     steps = pl.cdiv(jnp.maximum(end - start, 0), pages_per_step)
 
@@ -92,8 +99,8 @@ def _gpu_kernel(
         idx = start + i * pages_per_step + jax.lax.broadcasted_iota(
             jnp.int32, (pages_per_step,), 0
         )
-        ok = idx < end
-        idx = jnp.where(ok, idx, start)
+        ok = (idx >= lo) & (idx < end)
+        idx = jnp.where(ok, idx, jnp.maximum(start, lo))
         phys = pages_ref[seg, idx]  # [pps]
         pos = jnp.where(ok[:, None], slot_ref[seg, idx, :], -1).reshape(1, bk)
         k = k_ref[phys].reshape(bk, Dp)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from akv_jax.kernels.cpu.projection import pack_stack
+from akv_jax.kernels.cpu.projection import CPU, pack_stack
 from akv_jax.kernels.projection import Projection
 from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import (
@@ -62,10 +62,12 @@ class DeviceGroup:
         dtype,
         devices: list | None = None,
         attention_backend: str = "auto",
+        projection: Projection | None = None,
     ):
         """``devices``: None for the default device; else a tensor-parallel mesh over them.
         ``attention_backend`` ("auto", "reference" or "pallas") picks the re-rotation kernel
-        the same way it picks attention."""
+        the same way it picks attention. ``projection``: the products' backend (default: the
+        platform's, :func:`~akv_jax.pallas.dispatch.make_projection`)."""
         self.cfg = cfg
         self._repos = make_repos_fn(attention_backend)
         self.mesh = None
@@ -84,10 +86,10 @@ class DeviceGroup:
             # shape warmed up with an uncommitted one would compile again mid-serving.
             kv = jax.device_put(kv, jax.local_devices()[0])
         self.kv = kv
-        self.projection: Projection = make_projection()
+        self.projection: Projection = projection or make_projection()
         # On the CPU (one device), the layout its kernels read.
         self.params = params
-        if self.mesh is None and jax.default_backend() == "cpu":
+        if self.mesh is None and self.projection is CPU:
             self.params = cpu_layout(cfg, params)
 
     def forward(

@@ -64,7 +64,6 @@ log = logging.getLogger("akv_jax.serving")
 __all__ = ["Engine", "PoolTooSmall"]
 
 
-
 class Engine:
     def __init__(
         self,
@@ -84,6 +83,7 @@ class Engine:
         admission_max_wait_s: float = 2.0,
         jump_forward: bool = True,
         overlap: bool = True,
+        deterministic: bool = False,
     ):
         """``tp``: tensor-parallel degree of the (colocated) device group.
         ``disaggregate=(P, D)``: prefill and restores on the first P devices, decode on the
@@ -96,7 +96,7 @@ class Engine:
         its grammar allows).
         ``overlap``: read greedy decode tokens a step late, planning and dispatching the next
         step while the device runs this one (overlap.py; one process only: the processes of
-        a multi-host run read every step in step)."""
+        a multi-host run read every step in step). ``deterministic``: see the Executor."""
         self.cfg = model.cfg
         tok = getattr(model, "tokenizer", None)
         eos_ids = set(model.cfg.eos_token_ids) | set(getattr(tok, "eos_ids", ()) or ())
@@ -111,6 +111,7 @@ class Engine:
             self.cfg, model.params, num_pages=self.num_pages, page_size=page_size,
             kv_dtype=kv_dtype or model.params.embed.dtype, attention_backend=attention_backend,
             tp=tp, disaggregate=disaggregate, devices=devices, host_pages=self.num_host_pages,
+            deterministic=deterministic,
         )
         self.cache = CacheManager(self.num_pages, page_size, self.num_host_pages,
                                   self.executor if self.num_host_pages else None)

@@ -20,6 +20,7 @@ from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import KVWrites, make_model_attention
 from akv_jax.model.params import Params, make_mesh
 from akv_jax.model.rope import rope_table_for
+from akv_jax.pallas.dispatch import make_projection
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, StepLogits, feed_pending, transfer_pages
 from akv_jax.serving.host_tier import HostKV
@@ -55,12 +56,17 @@ def distinct_buckets(limit: int, pad) -> list[int]:
     return out
 
 
-def check_devices(tp: int, disaggregate: tuple[int, int] | None, available: int) -> None:
+def check_devices(tp: int, disaggregate: tuple[int, int] | None, available: int,
+                  deterministic: bool = False) -> None:
     """Raise ValueError (one line, naming the flag) unless the device layout fits
-    ``available`` devices. The one statement of these rules: the command line checks
-    with it before loading a model, the engine again when it builds its groups."""
+    ``available`` devices (and ``--deterministic``, which runs one device per group: a
+    sharded step's products are XLA's). The one statement of these rules: the command line
+    checks with it before loading a model, the engine again when it builds its groups."""
     if tp < 1:
         raise ValueError(f"--tp {tp}: must be at least 1")
+    if deterministic and (tp > 1 or disaggregate is not None):
+        raise ValueError("--deterministic runs one device per group: not with --tp "
+                         "or --disaggregate")
     if disaggregate is not None:
         n_p, n_d = disaggregate
         if tp > 1:
@@ -104,20 +110,26 @@ class Executor:
         disaggregate: tuple[int, int] | None = None,
         devices: list | None = None,
         host_pages: int = 0,
+        deterministic: bool = False,
     ):
         """``tp``: tensor-parallel degree of the (colocated) device group.
         ``disaggregate=(P, D)``: prefill and restores on the first P devices, decode on the
         next D (each group tensor-parallel over its devices), KV pages handed between them.
-        ``host_pages``: pages of the host tier (0: none)."""
+        ``host_pages``: pages of the host tier (0: none).
+        ``deterministic``: a request's bits independent of the batch on GPU and TPU too
+        (fixed-tile products, attention without split-K: docs/design.md); on the CPU every
+        mode is. One device per group (a sharded step's products are XLA's)."""
         self.cfg = cfg
         self.num_pages = num_pages
         self.page_size = page_size
         devices = list(devices if devices is not None else jax.devices())
-        check_devices(tp, disaggregate, len(devices))
+        check_devices(tp, disaggregate, len(devices), deterministic)
+
+        projection = make_projection(deterministic=deterministic)
 
         def group(devs):
             return DeviceGroup(cfg, params, num_pages, page_size, kv_dtype, devs,
-                               attention_backend=attention_backend)
+                               attention_backend=attention_backend, projection=projection)
 
         if disaggregate is not None:
             n_p, n_d = disaggregate
@@ -128,7 +140,7 @@ class Executor:
         self.host = HostKV(cfg, host_pages, page_size, kv_dtype) if host_pages else None
         self.rope = rope_table_for(cfg)
         self._attn = {
-            bq: make_model_attention(cfg, attention_backend, bq)
+            bq: make_model_attention(cfg, attention_backend, bq, deterministic=deterministic)
             for bq in (DECODE_BLOCK_Q, PREFILL_BLOCK_Q)
         }
 

@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read every step's greedy tokens before planning the next (by default "
                         "they are read a step late, the next step planned while the device "
                         "runs: docs/serving.md)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="a request's bits independent of the batch on GPU and TPU too: "
+                        "fixed-tile products, attention without split-K (on the CPU every "
+                        "mode is; docs/design.md)")
     p.add_argument("--max-new-tokens-limit", type=_at_least("--max-new-tokens-limit", 1),
                    default=32768, help="largest max_new_tokens / max_tokens a request may ask")
     p.add_argument("--reply-format", choices=FAMILIES, default=None,
@@ -227,7 +231,7 @@ def check_args(args: argparse.Namespace) -> None:
         from akv_jax.serving.executor import check_devices
 
         try:
-            check_devices(args.tp, args.disaggregate, jax.device_count())
+            check_devices(args.tp, args.disaggregate, jax.device_count(), args.deterministic)
         except ValueError as e:
             raise StartupError(str(e), EXIT_USAGE) from None
     if args.max_total_tokens < args.page_size:
@@ -292,6 +296,7 @@ def build_engine(args: argparse.Namespace):
             admission_window_s=args.admission_window_s,
             admission_max_wait_s=args.admission_max_wait_s,
             overlap=not args.disable_overlap_schedule,
+            deterministic=args.deterministic,
         )
         # The groups hold the weights in their own layouts (placed, sharded, or repacked for
         # the CPU's kernels): free the loaded copy.

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from akv_jax.kernels.cpu import ffi
+from akv_jax.kernels.cpu.per_shard import unsharded
 from akv_jax.kernels.projection import zero_past
 
 TARGET = "akv_cpu_matmul"  # x [M, K] @ w [K, N], 1..MAX_ROWS rows
@@ -99,7 +100,7 @@ def applies_packed(x: jax.Array, panels: jax.Array) -> bool:
     plain weight), with the packed kernel built."""
     return (x.ndim == 2 and x.shape[0] >= 1 and panels.ndim == 4
             and x.dtype == panels.dtype == jnp.float32 and x.shape[1] == panels.shape[2]
-            and _unsharded() and packs())
+            and unsharded() and packs())
 
 
 def matmul_packed(x: jax.Array, panels: jax.Array, layer: jax.Array, n: int,
@@ -143,19 +144,13 @@ def matmul_packed(x: jax.Array, panels: jax.Array, layer: jax.Array, n: int,
                                       default=unpacked_epilogue)
 
 
-def _unsharded() -> bool:
-    """No tensor-parallel mesh: an FFI call GSPMD cannot partition."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or all(n == 1 for n in mesh.shape.values())
-
-
 def _takes_kernel(x: jax.Array, w: jax.Array, gemm: bool) -> bool:
     rows = x.shape[0] if x.ndim == 2 else 0
     return (
         x.ndim == 2 and w.ndim == 2
         and (1 <= rows <= MAX_ROWS or (gemm and rows >= MIN_GEMM_ROWS))
         and x.dtype == w.dtype == jnp.float32
-        and _unsharded()
+        and unsharded()  # an FFI call GSPMD cannot partition
         and available()
     )
 

@@ -1,7 +1,8 @@
 """The CPU projection backend: :data:`CPU`, a :class:`~akv_jax.kernels.projection.Projection`
 whose products run the C++ kernels of :mod:`akv_jax.kernels.cpu.matmul` where they apply
 (float32 rows: a decode step's few, a prefill's many; outside a tensor-parallel mesh) and
-XLA's products elsewhere, with the same bits as those kernels wherever they run.
+XLA's products elsewhere, with the same bits as those kernels wherever they run. Under a
+tensor-parallel mesh the kernels run on each device's shards (:mod:`.per_shard`).
 
 Its layout: plain weights, or a stack packed for the GEMM once (:func:`pack_stack`, a
 :class:`PackedStack`), which every step's layer scan reads in place: each layer's projections
@@ -19,8 +20,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from akv_jax.kernels.cpu import matmul
+from akv_jax.kernels.cpu import matmul, per_shard
 from akv_jax.kernels.projection import (
     LayerIndexed,
     Projection,
@@ -85,6 +87,9 @@ def product(eq: str, x: jax.Array, w, live: jax.Array | None = None) -> jax.Arra
             y = matmul.matmul_packed(x2, w.panels, w.layer, n, live)
             return y.reshape(x.shape[0], *w.shape[x.ndim - 1 :])
         w = matmul.unpack_panels(w.panels, w.layer, n).reshape(w.shape)
+    y = per_shard.sharded_product(eq, x, w, live, product)
+    if y is not None:  # a tensor-parallel mesh: this function on each device's shards
+        return y
     xs, rest = eq.split(",")
     ws, out = rest.split("->")
     n_in = x.ndim - 1
@@ -129,7 +134,11 @@ def gated_product(x: jax.Array, w, gate: jax.Array, live: jax.Array | None = Non
 
 def head_product(x: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
     """The vocabulary projection: the few-row kernel for a decode step's float32 rows (tied:
-    the embedding as [V, D]), the GEMM for a prefill's many (untied), XLA's product else."""
+    the embedding as [V, D]), the GEMM for a prefill's many (untied), XLA's product else.
+    Under a tensor-parallel mesh (the vocabulary is not split) each device runs it whole."""
+    if per_shard.tensor_size() > 1:
+        whole = per_shard.per_shard(lambda x, w: head_product(x, w, tied), (P(), P()), P())
+        return whole(x, w)
     if tied:
         if matmul.applies_nt(x, w):
             return matmul.matmul_nt(x, w)
