@@ -45,7 +45,7 @@ SAMPLED = dict(PROBES["drops+repos"], temperature=0.8, top_p=0.95, seed=11)
 
 
 def probe_request(cache: dict, rid: str = "probe", upto: int | None = None,
-           max_new: int = N_NEW) -> GenerateRequest:
+                  max_new: int = N_NEW) -> GenerateRequest:
     segs = segments()[:upto]
     n = len(segs)
     c = {"drop": {k: v for k, v in cache["drop"].items() if int(k) < n},

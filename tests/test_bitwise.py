@@ -24,13 +24,16 @@ from bitwise_cases import (
     from_cache,
     probe_request,
     same_as_alone,
+    segments,
     setup,
 )
 
+from akv_jax.cache.ops import parse_history
 from akv_jax.kernels.cpu import matmul as cpu_matmul
 from akv_jax.kernels.cpu.projection import CPU
 from akv_jax.model.forward import rms_norm
 from akv_jax.model.row_sum import pairwise_sum, row_logsumexp, row_sum
+from akv_jax.serving.types import GenerateRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,34 @@ def test_a_token_attends_alike_in_a_decode_step_and_a_prefill(model, probe):
     toks, lps = from_cache(model, PROBES[probe], page_size=1)
     want_toks, want_lps = drive(engine(model, page_size=1),
                                 {0: [probe_request(PROBES[probe])]})
+    assert toks == want_toks
+    np.testing.assert_array_equal(bits(lps), bits(want_lps))
+
+
+# The GPU body, interpreted, moves a bit here (what the request-order protocol found with
+# it): the cause is open (issue 38's note).
+PALLAS_TURN_GAP = pytest.mark.xfail(strict=True, reason="the Pallas body moves a bit")
+
+
+@pytest.mark.parametrize("backend", [
+    "auto", pytest.param("pallas", marks=[pytest.mark.slow, PALLAS_TURN_GAP])])
+def test_a_turn_after_the_one_it_extends_keeps_its_bits(backend):
+    """An agent's next turn: the first four segments (with their drops and repos) answered,
+    then the same history with that answer and one more segment. After the first turn its
+    answer's KV is the first turn's decode steps' (decode rows' attention and shapes);
+    alone, it is prefilled with the rest of the prompt."""
+    tiny = setup("qwen3", attention_backend=backend)
+    cache = PROBES["drops+repos"]
+    eng = engine(tiny)
+    answer, _ = drive(eng, {0: [probe_request(cache, "first", upto=4)]}, "first")
+    segs = segments()
+    c = {"drop": {"3": [1]}, "reposition": [2]}
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    turn = GenerateRequest("probe", [*segs[:4], answer, segs[4]], parse_history(c, 6), sp,
+                           return_logprob=True)
+    toks, lps = drive(eng, {0: [turn]})
+    assert eng.stats()["cache_hit_tokens"] >= sum(map(len, segs[:4])) + len(answer) - 1
+    want_toks, want_lps = drive(engine(tiny), {0: [turn]})
     assert toks == want_toks
     np.testing.assert_array_equal(bits(lps), bits(want_lps))
 

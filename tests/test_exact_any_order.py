@@ -72,7 +72,8 @@ def test_exact_in_any_order(setup, backend, chunk, count):
     host_tier = backend == "auto"  # the tier moves bytes: one backend covers it
     # Bit for bit against each request alone (DESIGN §4.1): the CPU's default backend and
     # the reference. The Pallas body keeps its bits amid batches (test_bitwise.py) but not
-    # yet here: one log-prob of one request served after others were cached (page size 4).
+    # yet here: a turn served after the one it extends moves a bit (test_bitwise.py's
+    # test_a_turn_after_the_one_it_extends_keeps_its_bits[pallas]).
     stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7, host_tier=host_tier,
                                bitwise=backend != "pallas")
     # The small pool really evicted and restored, dead KV first.
