@@ -35,16 +35,12 @@ def _operand_axes(eq: str, x: jax.Array, w: jax.Array) -> int:
     return k
 
 
-def _matmul(x: jax.Array, w: jax.Array, platform: str | None, interpret: bool,
-            **kw) -> jax.Array:
-    return fixed_tile_matmul(x, w, platform=platform, interpret=interpret, **kw)
-
-
 @functools.cache
 def fixed_tile_projection(platform: str | None = None, interpret: bool = False) -> Projection:
     """The backend for ``platform`` ("cuda" or "tpu"; default the running one); one object
     per arguments (a :class:`Projection` is a static jit argument, hashed by identity).
     ``interpret``: the kernels interpreted (any platform: tests)."""
+    matmul = functools.partial(fixed_tile_matmul, platform=platform, interpret=interpret)
 
     def product(eq: str, x: jax.Array, w: jax.Array, live: jax.Array | None = None
                 ) -> jax.Array:
@@ -52,7 +48,7 @@ def fixed_tile_projection(platform: str | None = None, interpret: bool = False) 
         dtype = jnp.result_type(x, w)
         T, out_shape = x.shape[0], w.shape[k:]
         w2 = w.reshape(math.prod(w.shape[:k]), math.prod(out_shape))
-        y = _matmul(x.reshape(T, -1).astype(dtype), w2.astype(dtype), platform, interpret)
+        y = matmul(x.reshape(T, -1).astype(dtype), w2.astype(dtype))
         return zero_past(y.reshape(T, *out_shape), live)
 
     def residual_product(eq, x, w, residual, live=None):
@@ -63,8 +59,8 @@ def fixed_tile_projection(platform: str | None = None, interpret: bool = False) 
 
     def head_product(x: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
         dtype = jnp.result_type(x, w)
-        return _matmul(x.astype(dtype), w.astype(dtype), platform, interpret,
-                       out_dtype=jnp.float32, transpose_w=tied)
+        return matmul(x.astype(dtype), w.astype(dtype), out_dtype=jnp.float32,
+                      transpose_w=tied)
 
     name = "fixed_tile" + ("_interpret" if interpret else "")
     return Projection(name, product, residual_product, gated_product, head_product)
