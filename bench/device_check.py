@@ -21,6 +21,9 @@ lent GPU and what each part costs.
   (tests/exactness.py: its histories, answers and comparison), sent serially, reversed and
   all at once through a pool that forces eviction and one-pass restores, and for ``tiny``
   through the host tier. A mismatch on a GPU is retried at "highest" matmul precision.
+* ``bits``: ``--deterministic`` on ``tiny`` (tied head): a request with drops and repos amid
+  a batch, beside a sliced prompt and from the cache, its log-prob bits ``==`` its own
+  alone (tests/bitwise_cases.py); on a GPU the default mode's differing bits beside it.
 * ``bandwidth``: decode attention at SmolLM2, Qwen3-8B and GPT-OSS-120B (one TP4 shard's
   heads) shapes, bfloat16: achieved HBM bandwidth (the bytes the batch must move, over the
   time of a call) as a fraction of the device's peak.
@@ -63,7 +66,7 @@ if os.environ.get("AKV_DEVICE_SITE"):
 
 from akv_jax.aot.targets import TARGETS, Target  # noqa: E402  (data only: no jax)
 
-PARTS = ("kernels", "engine", "bandwidth", "peer", "step")
+PARTS = ("kernels", "engine", "bits", "bandwidth", "peer", "step")
 DEFAULT_OUT = ROOT / ".device_check"
 PAGE_SIZE = 16  # the server's default --page-size
 TOL = {"f32": 1e-5, "bf16": 2e-2}  # tests/pallas_cases.py's
@@ -609,6 +612,41 @@ def rerun_highest(part: Part, name: str, cpu: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# Part: bits (--deterministic)
+
+# The situations tests/bitwise_cases.py runs a probe in; on the CPU only the first (budget).
+BITS_SITUATIONS = ("amid 7 decoding when it arrives", "beside a long prompt in slices",
+                   "from the cache")
+
+
+def bits_check(cpu: bool, deterministic: bool) -> dict:
+    """tests/bitwise_cases.py's probe (drops and repos, 12 greedy log-probs) on ``tiny``
+    with a tied head, in each situation against itself alone on a fresh engine: tokens
+    equal and float32 bits ``==`` with ``deterministic`` (the fixed-tile projections and
+    the unsplit attention); without it a GPU's differing bits are counted, not failed."""
+    info = gpu_path(cpu)
+    bc = tests_module("bitwise_cases")
+    tiny = bc.setup("qwen3", tied=True, attention_backend=backend_for(cpu),
+                    deterministic=deterministic)
+    probe = bc.PROBES["drops+repos"]
+    want_toks, want_lps = bc.drive(bc.engine(tiny), {0: [bc.probe_request(probe)]})
+    differing, same_tokens = {}, True
+    for name in BITS_SITUATIONS[:1] if cpu else BITS_SITUATIONS:
+        toks, lps = bc.SCENARIOS[name](tiny, probe)
+        same_tokens &= toks == want_toks
+        differing[name] = int((bc.bits(lps) != bc.bits(want_lps)).sum())
+    ok = same_tokens and not any(differing.values()) if deterministic else True
+    return {**info, "ok": ok, "deterministic": deterministic, "same_tokens": same_tokens,
+            "log_probs": len(want_lps), "differing_bits": differing}
+
+
+def run_bits(part: Part, cpu: bool) -> None:
+    part.check("bits tiny --deterministic", functools.partial(bits_check, cpu, True))
+    if not cpu:  # the CPU is bitwise in every mode; a GPU's default mode, for comparison
+        part.check("bits tiny (default mode)", functools.partial(bits_check, cpu, False))
+
+
+# ---------------------------------------------------------------------------------------
 # Part 3: decode attention bandwidth, beside a peer
 
 
@@ -796,7 +834,8 @@ def run_step(part: Part, cpu: bool) -> None:
     part.check("step GPT-OSS-20B decode", functools.partial(step_check, cpu))
 
 
-RUNNERS = {"kernels": run_kernels, "engine": run_engine, "bandwidth": run_bandwidth,
+RUNNERS = {"kernels": run_kernels, "engine": run_engine, "bits": run_bits,
+           "bandwidth": run_bandwidth,
            "peer": run_peer, "step": run_step}
 
 

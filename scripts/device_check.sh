@@ -14,6 +14,7 @@
 # device / with --cpu; expected on an H200 about 5 minutes in all:
 #   kernels    150 / 120  segment attention and repos vs the jnp references, f32 and bf16
 #   engine     150 / 200  the engine on tiny, tiny-gpt-oss, tiny-qwen3-moe vs the dense reference
+#   bits        90 /  90  --deterministic: a request's log-prob bits amid a batch == alone
 #   bandwidth   60 /  60  decode attention's achieved HBM bandwidth, three model shapes
 #   peer        45 /  30  torch's SDPA on the same shapes (its own process, no jax; if torch)
 #   step       140 /  90  a GPT-OSS-20B-shaped decode step's tokens/s vs its roofline
@@ -32,12 +33,12 @@ cd "$root"
 
 start=$SECONDS
 cpu=0
-parts="kernels engine bandwidth peer step"
+parts="kernels engine bits bandwidth peer step"
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) cpu=1 ;;
     --parts) parts="$2"; shift ;;
-    *) echo "usage: $0 [--cpu] [--parts \"kernels engine bandwidth peer step\"]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--cpu] [--parts \"kernels engine bits bandwidth peer step\"]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -76,12 +77,12 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 if [ "$cpu" = 1 ]; then
   export JAX_PLATFORMS=cpu
   flag=--cpu
-  budgets="kernels=120 engine=200 bandwidth=60 peer=30 step=90"
+  budgets="kernels=120 engine=200 bits=90 bandwidth=60 peer=30 step=90"
 else
   # Compiled programs kept between runs on the same (warm) machine: a rerun compiles less.
   export JAX_COMPILATION_CACHE_DIR="$root/.device_check_cache"
   flag=
-  budgets="kernels=150 engine=150 bandwidth=60 peer=45 step=140"
+  budgets="kernels=150 engine=150 bits=90 bandwidth=60 peer=45 step=140"
 fi
 deadline="${AKV_CHECK_DEADLINE_S:-570}"
 

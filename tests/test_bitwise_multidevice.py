@@ -67,6 +67,11 @@ def test_a_request_keeps_its_bits_on_several_devices(topology):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
-def test_other_families_keep_their_bits_at_tp2(arch):
-    same_as_alone(setup(arch, tp=2), PROBES["drops+repos"], SITUATIONS[:2])
+@pytest.mark.parametrize("arch,backend", [
+    ("gpt_oss", "auto"), ("qwen3_moe", "auto"), ("minimax_m2", "auto"),
+    ("qwen3", "reference"), ("qwen3", "pallas")])
+def test_other_families_and_backends_keep_their_bits_at_tp2(arch, backend):
+    """MiniMax-M2's q/k norm spans every head (a reduction across the head shards); the
+    Pallas body runs per head shard (``dispatch``), interpreted."""
+    same_as_alone(setup(arch, tp=2, attention_backend=backend), PROBES["drops+repos"],
+                  SITUATIONS[:2])

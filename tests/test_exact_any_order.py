@@ -70,12 +70,9 @@ def test_exact_in_any_order(setup, backend, chunk, count):
     # and the GEMM for every prefill forward (from the smallest prefill bucket up).
     assert cpu_matmul.MIN_GEMM_ROWS <= token_bucket(1, PREFILL_BLOCK_Q)
     host_tier = backend == "auto"  # the tier moves bytes: one backend covers it
-    # Bit for bit against each request alone (DESIGN §4.1): the CPU's default backend and
-    # the reference. The Pallas body keeps its bits amid batches (test_bitwise.py) but not
-    # yet here: a turn served after the one it extends moves a bit (test_bitwise.py's
-    # test_a_turn_after_the_one_it_extends_keeps_its_bits[pallas]).
+    # Bit for bit against each request alone (DESIGN §4.1), on every backend.
     stats = exact_in_any_order(make_engine, model, reqs, refs, seed=7, host_tier=host_tier,
-                               bitwise=backend != "pallas")
+                               bitwise=True)
     # The small pool really evicted and restored, dead KV first.
     assert stats["evictions"] > 0 and stats["dead_evictions"] > 0
     assert stats["restores"] > 0

@@ -61,6 +61,15 @@ def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, boo
     return "gpu", True  # pallas on the CPU: the GPU body, interpreted
 
 
+def layout_sets_bits(backend: str, deterministic: bool, platform: str | None = None) -> bool:
+    """Whether a row's attention bits depend on where its keys lie in their pages, and
+    bits are promised: a Pallas body (summing a step of pages at a time, masked slots
+    included) interpreted on the CPU or run ``deterministic``. The planner then lays a
+    view out as a prefill of its whole history would (``Planner(canonical_layout=True)``)."""
+    impl, interpret = resolve_backend(backend, platform)
+    return impl != "reference" and (deterministic or interpret)
+
+
 def local_gpu_cores() -> int | None:
     """SM count of this process's first GPU; None without one (the kernel's default)."""
     try:
@@ -92,14 +101,15 @@ def make_attention_fn(
     ``vmem_limit_bytes`` on the TPU) and are ignored by the reference.
 
     ``deterministic``: a row's bits must not depend on the batch (``--deterministic``): the
-    GPU body runs without split-K, whose count follows the batch. Its interpreted runs on the
+    GPU body runs without split-K, whose count follows the batch, and with query tiles of one
+    size (a decode row's padded to a prefill's). Its interpreted runs on the
     CPU always do (the CPU promises bits in every mode: docs/design.md); the TPU body and the
     CPU's own kernels never split.
     """
     impl, interpret = resolve_backend(backend, platform)
     common = dict(block_q=block_q, sm_scale=sm_scale, sliding_window=sliding_window)
     if impl == "gpu" and (deterministic or interpret):
-        kernel_options["kv_splits"] = 1
+        kernel_options.update(kv_splits=1, full_tiles=True)
     if impl == "gpu" and not interpret and "num_cores" not in kernel_options:
         # Split-K is sized by the SM count of the GPU it runs on (a deviceless compile
         # names its target's instead: akv_jax.aot).

@@ -169,7 +169,7 @@ def default_kv_splits(programs: int, max_steps: int, num_cores: int = DEFAULT_NU
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "block_q", "sm_scale", "sliding_window", "rows_per_tile", "keys_per_step",
+        "block_q", "sm_scale", "sliding_window", "rows_per_tile", "full_tiles", "keys_per_step",
         "kv_splits", "num_warps", "num_stages", "num_cores", "interpret",
     ),
 )
@@ -184,6 +184,7 @@ def segment_attention_gpu(
     sinks: jax.Array | None = None,
     sliding_window: int | None = None,
     rows_per_tile: int | None = None,
+    full_tiles: bool = False,
     keys_per_step: int = 64,
     kv_splits: int | None = None,
     num_warps: int = 4,
@@ -195,7 +196,9 @@ def segment_attention_gpu(
 
     ``num_cores``: the target GPU's SM count, which sizes split-K (None: an H100's 132).
     ``rows_per_tile``: query-tile rows (rows x padded group); None picks by dtype and head
-    dim (see below)."""
+    dim (see below). ``full_tiles``: every tile that many rows, padded, whatever ``block_q``
+    (a decode step's one row too): a row's dots then have one shape in any batch, which
+    XLA's CPU dots (interpret mode) need for the same bits; a deterministic attention."""
     T, Hq, Dh = q.shape
     P, ps, Hkv, _ = k_pages.shape
     if Hq % Hkv:
@@ -211,7 +214,7 @@ def segment_attention_gpu(
         rows_per_tile = 32 if q.dtype.itemsize >= 4 and dp >= 128 else 64
     # Query rows per tile: a power of two, so the tile (rows x padded group) is one too.
     rows = max(1, min(_pow2(block_q), rows_per_tile // gp))
-    M = max(16, rows * gp)
+    M = max(16, (max(1, rows_per_tile // gp) if full_tiles else rows) * gp)
     # Pages per step: >= 16 keys for the dot, about keys_per_step otherwise.
     pps = max(1, max(16, _pow2(keys_per_step)) // ps)
 

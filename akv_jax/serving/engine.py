@@ -117,7 +117,7 @@ class Engine:
                                   self.executor if self.num_host_pages else None)
         self.admission_window_s = admission_window_s
         self.admission_max_wait_s = admission_max_wait_s
-        self.planner = Planner(self.cache)
+        self.planner = Planner(self.cache, canonical_layout=self.executor.layout_sets_bits)
         self.backend = attention_backend
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk

@@ -20,7 +20,7 @@ from akv_jax.model.config import ModelConfig
 from akv_jax.model.forward import KVWrites, make_model_attention
 from akv_jax.model.params import Params, make_mesh
 from akv_jax.model.rope import rope_table_for
-from akv_jax.pallas.dispatch import make_projection
+from akv_jax.pallas.dispatch import layout_sets_bits, make_projection
 from akv_jax.pallas.metadata import SegmentSpec, bucket, build_segment_batch
 from akv_jax.serving.device_group import DeviceGroup, StepLogits, feed_pending, transfer_pages
 from akv_jax.serving.host_tier import HostKV
@@ -126,6 +126,7 @@ class Executor:
         check_devices(tp, disaggregate, len(devices), deterministic)
 
         projection = make_projection(deterministic=deterministic)
+        self.layout_sets_bits = layout_sets_bits(attention_backend, deterministic)
 
         def group(devs):
             return DeviceGroup(cfg, params, num_pages, page_size, kv_dtype, devs,

@@ -114,8 +114,11 @@ def final_view(path: list[Node]) -> list[Node]:
 
 
 class Planner:
-    def __init__(self, cache: CacheManager):
+    def __init__(self, cache: CacheManager, canonical_layout: bool = False):
+        """``canonical_layout``: continuations cut back to a page start (:meth:`page_aligned`),
+        for kernels whose bits follow the layout (dispatch.layout_sets_bits)."""
         self.cache = cache
+        self.canonical_layout = canonical_layout
         self.page_size = cache.page_size
         self.node_seg: dict[int, int] = {}  # the plan's path: node id -> its one segment or -1
 
@@ -184,6 +187,8 @@ class Planner:
         """Matched nodes plus fresh nodes for the rest of the keys; ids of fresh nodes."""
         cache, tl, keys = self.cache, r.tl, r.keys
         path = cache.match(keys)
+        if self.canonical_layout:
+            path = self.page_aligned(path, tl)
         matched = sum(len(n.key) for n in path)  # keys consumed: tokens, and 1 per op item
         parent = path[-1] if path else cache.tree.root
         fresh: set[int] = set()
@@ -219,6 +224,24 @@ class Planner:
         if last.id not in fresh and cut > 0:
             path[k : k + 1] = [cache.split(last, cut), last]
         return path, fresh
+
+    def page_aligned(self, path: list[Node], tl: Timeline) -> list[Node]:
+        """``path`` cut back to a page boundary where its last token node ends mid-page and
+        mid-segment (an answer's decoded KV, whose last token has none, continued by the
+        next turn): the rest of its last page is recomputed with the segment's remainder,
+        so the segment lies in its pages as a prefill of the whole history lays it out, and
+        so do the bits of kernels that sum a page at a time (the Pallas bodies). Costs up to
+        a page less of cache hit a turn. (A stored node that spans several of this
+        request's segments, cut by another request's messages, still lays them out its way.)"""
+        if not path or path[-1].kind != "tokens":
+            return path
+        last, ps = path[-1], self.page_size
+        end = last.tok_start + len(last.key)
+        if (len(last.key) % ps == 0 or end >= tl.num_tokens
+                or tl.token_seg[end] != tl.token_seg[end - 1]):
+            return path
+        keep = len(last.key) // ps * ps
+        return path[:-1] + [self.cache.split(last, keep)] if keep else path[:-1]
 
     def segs(self, nodes: list[Node]) -> np.ndarray:
         """:func:`segments_of` ``nodes`` (all on the plan's path), from the plan's memo."""
