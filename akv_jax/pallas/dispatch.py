@@ -29,7 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
+from akv_jax.kernels.cpu.per_shard import AXIS, per_shard, tensor_size
 from akv_jax.kernels.cpu.projection import CPU
 from akv_jax.kernels.projection import XLA, Projection
 from akv_jax.pallas import repos as repos_lib
@@ -147,44 +149,37 @@ def _cpu_attention(common: dict[str, Any]) -> AttentionFn:
     def attention(q, k_pages, v_pages, batch, layer=None, sinks=None):
         if not (cpu_fused.supports(q, k_pages, v_pages) and cpu_fused.available()):
             return chunked(q, k_pages, v_pages, batch, layer=layer, sinks=sinks)
-        tp = _tensor_mesh()[1]
-        if tp == 1:
+        if tensor_size() == 1:
             return fused(q, k_pages, v_pages, batch, layer=layer, sinks=sinks)
-        if k_pages.shape[-2] % tp or q.shape[1] % tp:
+        if not _heads_split(q, k_pages):
             return chunked(q, k_pages, v_pages, batch, layer=layer, sinks=sinks)
-        return _fused_per_head_shard(fused, q, k_pages, v_pages, batch, layer, sinks)
+        return _on_head_shards(fused, q, k_pages, v_pages, batch, layer, sinks)
 
     return attention
 
 
-def _fused_per_head_shard(fused, q, k_pages, v_pages, batch, layer, sinks) -> jax.Array:
-    """``fused`` on each device's kv heads and their query heads (pools of one layer or of
-    every layer, ``layer`` given)."""
-    from jax.sharding import PartitionSpec as P
+def _on_head_shards(kernel: Callable[..., jax.Array], q, k_pages, v_pages, batch,
+                    layer=None, sinks=None) -> jax.Array:
+    """``kernel`` on each device's kv heads and their query heads (q head ``h * G + g``
+    reads kv head ``h``, so contiguous shards keep groups whole); pools of one layer, or of
+    every layer with ``layer`` (passed on only when given, as ``sinks``)."""
+    heads = P(None, AXIS, None)
+    kv = P(*([None] * (k_pages.ndim - 2)), AXIS, None)
+    extra = {name: (value, spec) for name, value, spec in
+             (("layer", layer, P()), ("sinks", sinks, P(AXIS))) if value is not None}
 
-    heads = P(None, "tensor", None)
-    kv = P(*([None] * (k_pages.ndim - 2)), "tensor", None)
-    args, specs = [q, k_pages, v_pages, batch], [heads, kv, kv, P()]
-    for extra, spec in ((layer, P()), (sinks, P("tensor"))):
-        if extra is not None:
-            args.append(extra)
-            specs.append(spec)
-    has_layer, has_sinks = layer is not None, sinks is not None
+    def body(q, k, v, b, *values):
+        return kernel(q, k, v, b, **dict(zip(extra, values, strict=True)))
 
-    def body(q, k, v, b, *extra):
-        it = iter(extra)
-        lyr = next(it) if has_layer else None
-        snk = next(it) if has_sinks else None
-        return fused(q, k, v, b, layer=lyr, sinks=snk)
-
-    return jax.shard_map(body, mesh=_tensor_mesh()[0], in_specs=tuple(specs),
-                         out_specs=heads, check_vma=False)(*args)
+    specs = (heads, kv, kv, P(), *(spec for _, spec in extra.values()))
+    return per_shard(body, specs, heads)(
+        q, k_pages, v_pages, batch, *(value for value, _ in extra.values()))
 
 
-def _tensor_mesh() -> tuple[jax.sharding.AbstractMesh, int]:
-    """The context mesh (set by the serving step) and its "tensor" axis size (1 without)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh, 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+def _heads_split(q: jax.Array, k_pages: jax.Array) -> bool:
+    """A tensor-parallel mesh is in context and splits the kv and query heads evenly."""
+    tp = tensor_size()
+    return tp > 1 and k_pages.shape[-2] % tp == 0 and q.shape[1] % tp == 0
 
 
 def _per_head_shard(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
@@ -192,30 +187,18 @@ def _per_head_shard(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array
 
     A Pallas kernel is a custom call that GSPMD cannot partition: XLA:TPU refuses it
     ("Mosaic kernels cannot be automatically partitioned"), XLA:GPU would gather every
-    operand onto each device. Attention is independent per kv head (and its query heads:
-    q head ``h * G + g`` reads kv head ``h``, so contiguous shards keep groups whole), so
-    under a mesh with a "tensor" axis (set by the serving step, see
+    operand onto each device. Attention is independent per kv head, so under a mesh with a
+    "tensor" axis (set by the serving step, see
     :func:`akv_jax.serving.device_group.forward_step`) each device runs the kernel on its
-    own heads with ``shard_map``. Without such a mesh, or when the kv heads do not split
-    evenly (then the pool is replicated: :func:`akv_jax.model.params.logical_to_spec`), the
-    kernel is called as is.
+    own heads (:func:`_on_head_shards`). Without such a mesh, or when the kv heads do not
+    split evenly (then the pool is replicated: :func:`akv_jax.model.params.logical_to_spec`),
+    the kernel is called as is.
     """
-    from jax.sharding import PartitionSpec as P
 
     def call(q, k_pages, v_pages, batch, sinks=None):
-        mesh, tp = _tensor_mesh()
-        if tp == 1 or k_pages.shape[-2] % tp or q.shape[1] % tp:
+        if not _heads_split(q, k_pages):
             return kernel(q, k_pages, v_pages, batch, sinks=sinks)
-        heads, kv = P(None, "tensor", None), P(None, None, "tensor", None)
-        if sinks is None:
-            fn, specs, args = (lambda q, k, v, b: kernel(q, k, v, b),
-                               (heads, kv, kv, P()), (q, k_pages, v_pages, batch))
-        else:
-            fn, specs, args = (lambda q, k, v, b, s: kernel(q, k, v, b, sinks=s),
-                               (heads, kv, kv, P(), P("tensor")),
-                               (q, k_pages, v_pages, batch, sinks))
-        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=heads,
-                             check_vma=False)(*args)
+        return _on_head_shards(kernel, q, k_pages, v_pages, batch, sinks=sinks)
 
     return call
 
@@ -240,15 +223,12 @@ def make_repos_fn(
             return repos_reference(k_pages, pages, old_pos, new_pos, table)
         # Per tensor-parallel head shard, as attention (see _per_head_shard): every head
         # rotates alike, so each device rotates its own heads' keys.
-        mesh, tp = _tensor_mesh()
+        tp = tensor_size()
         if tp == 1 or heads % tp:
             return kernel(k_pages, pages, old_pos, new_pos, table)
-        from jax.sharding import PartitionSpec as P
-
-        kv = P(None, None, "tensor", None)
-        return jax.shard_map(kernel, mesh=mesh, in_specs=(kv, P(), P(), P(), P()),
-                             out_specs=kv, check_vma=False)(k_pages, pages, old_pos, new_pos,
-                                                            table)
+        kv = P(None, None, AXIS, None)
+        return per_shard(kernel, (kv, P(), P(), P(), P()), kv)(
+            k_pages, pages, old_pos, new_pos, table)
 
     return repos
 
