@@ -21,12 +21,15 @@ export JAX_COMPILATION_CACHE_DIR="$root/.ci-logs/jax-cache"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 rm -rf "$JAX_COMPILATION_CACHE_DIR"
 # --durations: the slowest tests in the log, to keep the suite inside CI's 30 minutes.
-"$py" -m pytest -q -ra -n "$workers" --dist loadfile --durations=25 "$@"
+# Every test's time in .ci-logs/main.xml (JUnit): what to trim when CI runs long.
+"$py" -m pytest -q -ra -n "$workers" --dist loadfile --durations=25 \
+  --junitxml=.ci-logs/main.xml "$@"
 # The GPU device check's plumbing, on the CPU (small shapes, Pallas interpreted): what a lent
 # GPU will run must work before device time is spent on it (docs/device_check.md).
 OUT=.ci-logs/device_check bash scripts/device_check.sh --cpu
 XLA_FLAGS=--xla_force_host_platform_device_count=8 "$py" -m pytest -q -ra \
-  -n "$workers" --dist loadfile --durations=15 -m "multidevice and not slow" \
+  -n "$workers" --dist loadfile --durations=15 --junitxml=.ci-logs/multidevice.xml \
+  -m "multidevice and not slow" \
   tests/
 # Deviceless compiles for every GPU and TPU target (own venv, own processes): fails CI when a
 # target rejects a kernel or the serving step.

@@ -10,17 +10,21 @@ Run in its own process (XLA_FLAGS must be set before jax is imported):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest -m multidevice tests/
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bitwise_cases import PROBES, bits, same_as_alone, setup
+from bitwise_cases import PROBES, bits, engine, same_as_alone, setup
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from akv_jax.kernels.cpu import matmul as cpu_matmul
 from akv_jax.kernels.cpu.projection import CPU
+from akv_jax.model.forward import attention_inputs, rope_scaled
 from akv_jax.model.params import make_mesh
+from akv_jax.model.rope import rope_table_for
 
 pytestmark = pytest.mark.multidevice
 
@@ -53,6 +57,33 @@ def test_sharded_products_keep_a_rows_bits_at_every_row_count():
         part = mlp(x[off : off + rows], up, down)
         for got, want in zip(part, whole, strict=True):
             np.testing.assert_array_equal(bits(got), bits(want[off : off + rows]),
+                                          err_msg=f"{rows} rows")
+
+
+def test_rotated_queries_and_keys_keep_a_rows_bits_at_tp2():
+    """A layer's q and k, normed and rotated, on the tiny model's weights at TP 2: each row's
+    bits at 1-64 rows equal its bits in 128 (XLA:CPU fused the rotation's multiply-adds by
+    the row count here, on an AVX-512 host, before it rounded each product alone)."""
+    group = engine(setup("qwen3", tp=2)).executor.prefill
+    cfg, mesh = group.cfg, group.mesh
+    lp = jax.tree.map(lambda a: a[0], group.params.layers)
+    rope = rope_table_for(cfg)
+    rng = np.random.default_rng(0)
+    on_mesh = functools.partial(jax.device_put, device=NamedSharding(mesh, P()))
+    x = on_mesh(jnp.asarray(rng.standard_normal((128, cfg.hidden_size)), jnp.float32))
+    pos = on_mesh(jnp.arange(100, 228, dtype=jnp.int32))
+
+    @jax.jit
+    def q_and_k(x, pos, live):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            q, k, _ = attention_inputs(cfg, lp, x, pos, rope, live, group.projection)
+            return q, rope_scaled(k, pos, rope, cfg.rope.attention_scaling())
+
+    whole = [np.asarray(a) for a in q_and_k(x, pos, on_mesh(jnp.int32(128)))]
+    for rows, live in [(1, 1), (8, 1), (8, 5), (64, 33)]:
+        part = q_and_k(x[:rows], pos[:rows], on_mesh(jnp.int32(live)))
+        for got, want in zip(part, whole, strict=True):
+            np.testing.assert_array_equal(bits(got[:live]), bits(want[:live]),
                                           err_msg=f"{rows} rows")
 
 

@@ -52,7 +52,7 @@ def gpu_supports(page_size: int, head_dim: int, rotary_dim: int | None = None) -
     return is_pow2(page_size) and r % 2 == 0 and is_pow2(r // 2)
 
 
-def _repos_gpu_kernel(pages_ref, cos_ref, sin_ref, k_ref, o_ref):
+def _repos_gpu_kernel(pages_ref, cos_ref, sin_ref, k_ref, o_ref, *, interpret: bool):
     # pages_ref [N]; cos_ref, sin_ref [ps, r/2] (this page); k_ref, o_ref [P, ps, Hkv, Dh]
     # (one buffer: aliased; read the input, write the output).
     half = cos_ref.shape[-1]
@@ -64,8 +64,12 @@ def _repos_gpu_kernel(pages_ref, cos_ref, sin_ref, k_ref, o_ref):
         x1 = k_ref[page, :, h, pl.ds(0, half)].astype(jnp.float32)
         x2 = k_ref[page, :, h, pl.ds(half, half)].astype(jnp.float32)
         c, s = cos_ref[...], sin_ref[...]
-        o_ref[page, :, h, pl.ds(0, half)] = (x1 * c - x2 * s).astype(o_ref.dtype)
-        o_ref[page, :, h, pl.ds(half, half)] = (x2 * c + x1 * s).astype(o_ref.dtype)
+        products = (x1 * c, x2 * s, x2 * c, x1 * s)
+        if interpret:  # XLA:CPU: each product rounded, as rotary.rotate_half_split rounds it
+            products = jax.lax.optimization_barrier(products)
+        x1c, x2s, x2c, x1s = products
+        o_ref[page, :, h, pl.ds(0, half)] = (x1c - x2s).astype(o_ref.dtype)
+        o_ref[page, :, h, pl.ds(half, half)] = (x2c + x1s).astype(o_ref.dtype)
 
 
 def _repos_gpu(k_pages, pages, cos, sin, *, interpret: bool):
@@ -79,7 +83,7 @@ def _repos_gpu(k_pages, pages, cos, sin, *, interpret: bool):
     whole = pl.BlockSpec(k_pages.shape, lambda n, h: (0, 0, 0, 0))
     tab = pl.BlockSpec((None, ps, half), lambda n, h: (n, 0, 0))
     return pl.pallas_call(
-        _repos_gpu_kernel,
+        functools.partial(_repos_gpu_kernel, interpret=interpret),
         grid=(N, Hkv),
         in_specs=[pl.BlockSpec((N,), lambda n, h: (0,)), tab, tab, whole],
         out_specs=whole,

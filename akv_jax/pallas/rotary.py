@@ -52,7 +52,11 @@ def rotate_half_split(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array
     x1 = x[..., :half].astype(jnp.float32)
     x2 = x[..., half : 2 * half].astype(jnp.float32)
     c, s = cos[..., None, :], sin[..., None, :]
-    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    # Each product rounded before the sum: XLA:CPU contracts a * b - c * d into a fused
+    # multiply-add in some fusions and shapes and not in others (a key's bits then moved
+    # with the step's row count under a tensor-parallel mesh).
+    x1c, x2s, x2c, x1s = jax.lax.optimization_barrier((x1 * c, x2 * s, x2 * c, x1 * s))
+    out = jnp.concatenate([x1c - x2s, x2c + x1s], axis=-1).astype(x.dtype)
     if 2 * half == x.shape[-1]:
         return out
     return jnp.concatenate([out, x[..., 2 * half :]], axis=-1)
