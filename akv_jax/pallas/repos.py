@@ -40,7 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from akv_jax.pallas.metadata import is_pow2
-from akv_jax.pallas.rotary import RopeTable, rotation_tables
+from akv_jax.pallas.rotary import RopeTable, rotate_halves, rotation_tables
 
 # ----------------------------------------------------------------------------------------- GPU
 
@@ -63,13 +63,10 @@ def _repos_gpu_kernel(pages_ref, cos_ref, sin_ref, k_ref, o_ref, *, interpret: b
     def _():
         x1 = k_ref[page, :, h, pl.ds(0, half)].astype(jnp.float32)
         x2 = k_ref[page, :, h, pl.ds(half, half)].astype(jnp.float32)
-        c, s = cos_ref[...], sin_ref[...]
-        products = (x1 * c, x2 * s, x2 * c, x1 * s)
-        if interpret:  # XLA:CPU: each product rounded, as rotary.rotate_half_split rounds it
-            products = jax.lax.optimization_barrier(products)
-        x1c, x2s, x2c, x1s = products
-        o_ref[page, :, h, pl.ds(0, half)] = (x1c - x2s).astype(o_ref.dtype)
-        o_ref[page, :, h, pl.ds(half, half)] = (x2c + x1s).astype(o_ref.dtype)
+        # Interpreted (XLA), each product rounded as the forward's rotation rounds it.
+        lo, hi = rotate_halves(x1, x2, cos_ref[...], sin_ref[...], round_products=interpret)
+        o_ref[page, :, h, pl.ds(0, half)] = lo.astype(o_ref.dtype)
+        o_ref[page, :, h, pl.ds(half, half)] = hi.astype(o_ref.dtype)
 
 
 def _repos_gpu(k_pages, pages, cos, sin, *, interpret: bool):

@@ -51,15 +51,24 @@ def rotate_half_split(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array
         raise ValueError(f"rotary table of {2 * half} dims for heads of {x.shape[-1]}")
     x1 = x[..., :half].astype(jnp.float32)
     x2 = x[..., half : 2 * half].astype(jnp.float32)
-    c, s = cos[..., None, :], sin[..., None, :]
-    # Each product rounded before the sum: XLA:CPU contracts a * b - c * d into a fused
-    # multiply-add in some fusions and shapes and not in others (a key's bits then moved
-    # with the step's row count under a tensor-parallel mesh).
-    x1c, x2s, x2c, x1s = jax.lax.optimization_barrier((x1 * c, x2 * s, x2 * c, x1 * s))
-    out = jnp.concatenate([x1c - x2s, x2c + x1s], axis=-1).astype(x.dtype)
+    out = jnp.concatenate(rotate_halves(x1, x2, cos[..., None, :], sin[..., None, :]),
+                          axis=-1).astype(x.dtype)
     if 2 * half == x.shape[-1]:
         return out
     return jnp.concatenate([out, x[..., 2 * half :]], axis=-1)
+
+
+def rotate_halves(x1: jax.Array, x2: jax.Array, c: jax.Array, s: jax.Array,
+                  round_products: bool = True) -> tuple[jax.Array, jax.Array]:
+    """``(x1 c - x2 s, x2 c + x1 s)``, the rotation of half-split pairs. ``round_products``:
+    each product rounded before the sum (XLA contracts ``a * b - c * d`` into a fused
+    multiply-add in some fusions and shapes and not in others: a key's bits moved with the
+    step's row count under a tensor-parallel mesh); off inside a compiled Pallas kernel."""
+    products = (x1 * c, x2 * s, x2 * c, x1 * s)
+    if round_products:
+        products = jax.lax.optimization_barrier(products)
+    x1c, x2s, x2c, x1s = products
+    return x1c - x2s, x2c + x1s
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, table: RopeTable) -> jax.Array:
